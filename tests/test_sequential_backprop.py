@@ -1,0 +1,260 @@
+"""SequentialBackprop against plain autograd: outputs, input gradients and every parameter gradient."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+from torchvision.ops import RoIAlign
+from torchvision.ops.misc import FrozenBatchNorm2d
+
+from wsod.modeling.backbone import build_resnet_c4
+from wsod.modeling.roi_head import _NeckWithPooling
+from wsod.sequential_backprop import SequentialBackprop
+
+N = 9
+CHUNK_SIZES = [1, 7, N, N + 5]
+
+
+def _max_rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
+    return ((a - b).abs().max() / b.abs().max().clamp(min=1e-300)).item()
+
+
+def _randomise_frozen_bn(module: nn.Module, generator: torch.Generator) -> None:
+    """Give FrozenBN non-trivial statistics so that it is not the identity."""
+    for m in module.modules():
+        if isinstance(m, FrozenBatchNorm2d):
+            c = m.weight.shape[0]
+            m.weight.copy_(torch.rand(c, generator=generator) + 0.5)
+            m.bias.copy_(torch.randn(c, generator=generator) * 0.1)
+            m.running_mean.copy_(torch.randn(c, generator=generator) * 0.1)
+            m.running_var.copy_(torch.rand(c, generator=generator) + 0.5)
+
+
+def _res5_stage() -> nn.Module:
+    """A real res5 (three bottlenecks, FrozenBN, first stride 2) at a quarter of ResNet-50's width."""
+    torch.manual_seed(0)
+    _, res5 = build_resnet_c4(50, width=0.25, freeze_at=0)
+    _randomise_frozen_bn(res5, torch.Generator().manual_seed(1))
+    return res5.double()
+
+
+def _grads(module: nn.Module, *inputs: torch.Tensor) -> list[torch.Tensor]:
+    return [x.grad for x in inputs if x.requires_grad] + [p.grad for p in module.parameters()]
+
+
+def _run(module, wrapper, inputs, grad_output_seed=123):
+    """Forward through ``wrapper``, backward a fixed random output gradient; returns output, grads."""
+    for x in inputs:
+        x.grad = None
+    module.zero_grad(set_to_none=True)
+    out = wrapper(*inputs)
+    grad_out = torch.randn(
+        out.shape, generator=torch.Generator().manual_seed(grad_output_seed), dtype=out.dtype
+    )
+    out.backward(grad_out)
+    return out.detach(), [g.clone() for g in _grads(module, *inputs)]
+
+
+def _assert_same(out, grads, ref_out, ref_grads, tol=1e-10):
+    assert out.shape == ref_out.shape
+    assert _max_rel_err(out, ref_out) <= tol
+    assert len(grads) == len(ref_grads)
+    for g, r in zip(grads, ref_grads, strict=True):
+        assert g is not None and r is not None
+        assert _max_rel_err(g, r) <= tol
+
+
+@pytest.mark.parametrize("chunk_size", CHUNK_SIZES)
+def test_res5_stage_matches_plain_autograd(chunk_size):
+    res5 = _res5_stage()
+    x = torch.randn(N, res5[0].conv1.in_channels, 8, 8, dtype=torch.double, requires_grad=True)
+    ref_out, ref_grads = _run(res5, res5, [x])
+    out, grads = _run(res5, SequentialBackprop(res5, chunk_size), [x])
+    _assert_same(out, grads, ref_out, ref_grads)
+
+
+@pytest.mark.parametrize("chunk_size", CHUNK_SIZES)
+def test_fused_pooling_and_res5_match_plain_autograd(chunk_size):
+    res5 = _res5_stage()
+    fused = _NeckWithPooling(RoIAlign(8, 1 / 16, 0, aligned=True), res5)
+    g = torch.Generator().manual_seed(2)
+    features = torch.randn(2, res5[0].conv1.in_channels, 6, 7, dtype=torch.double, generator=g)
+    features.requires_grad_(True)
+    xy = torch.rand(N, 2, generator=g, dtype=torch.double) * 60
+    wh = torch.rand(N, 2, generator=g, dtype=torch.double) * 50 + 4
+    rois = torch.cat([torch.randint(0, 2, (N, 1), generator=g).double(), xy, xy + wh], dim=1)
+    ref_out, ref_grads = _run(fused, fused, [features, rois])
+    out, grads = _run(fused, SequentialBackprop(fused, chunk_size, shared_inputs=(0,)), [features, rois])
+    _assert_same(out, grads, ref_out, ref_grads)  # grads[0] is the feature-map gradient
+    assert features.grad.abs().sum() > 0
+
+
+class _DropoutMLP(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc1 = nn.Linear(6, 16)
+        self.drop = nn.Dropout(0.5)
+        self.fc2 = nn.Linear(16, 3)
+
+    def forward(self, x):
+        return self.fc2(self.drop(torch.relu(self.fc1(x))))
+
+
+@pytest.mark.parametrize("chunk_size", CHUNK_SIZES)
+def test_dropout_replays_the_forward_masks(chunk_size):
+    torch.manual_seed(0)
+    module = _DropoutMLP().double()
+    x = torch.randn(N, 6, dtype=torch.double, requires_grad=True)
+
+    def chunked_plain(inp):  # the reference: plain autograd over the same chunks, in the same order
+        return torch.cat([module(inp[s : s + chunk_size]) for s in range(0, N, chunk_size)])
+
+    torch.manual_seed(42)
+    ref_out, ref_grads = _run(module, chunked_plain, [x])
+    after_ref = torch.rand(1)
+    torch.manual_seed(42)
+    out, grads = _run(module, SequentialBackprop(module, chunk_size), [x])
+    after = torch.rand(1)
+    _assert_same(out, grads, ref_out, ref_grads)
+    with torch.no_grad():
+        assert not torch.allclose(ref_out, module.eval()(x)), "dropout should change the outputs"
+    # The recompute must not disturb the caller's random stream either.
+    assert torch.equal(after, after_ref)
+
+
+def test_dropout_without_rng_replay_differs():
+    """Guards the test above: with preserve_rng_state=False the recompute draws other masks."""
+    torch.manual_seed(0)
+    module = _DropoutMLP().double()
+    x = torch.randn(N, 6, dtype=torch.double, requires_grad=True)
+    torch.manual_seed(42)
+    _, ref_grads = _run(module, lambda inp: torch.cat([module(inp[:4]), module(inp[4:])]), [x])
+    torch.manual_seed(42)
+    _, grads = _run(module, SequentialBackprop(module, 4, preserve_rng_state=False), [x])
+    assert any(_max_rel_err(g, r) > 1e-3 for g, r in zip(grads, ref_grads, strict=True))
+
+
+def test_gradcheck_tiny_case():
+    torch.manual_seed(0)
+    module = nn.Sequential(nn.Conv2d(2, 3, 3, padding=1), nn.Tanh(), nn.Flatten(), nn.Linear(3 * 16, 2))
+    module = module.double()
+    wrapper = SequentialBackprop(module, 2)
+    x = torch.randn(5, 2, 4, 4, dtype=torch.double, requires_grad=True)
+    params = list(module.parameters())
+
+    # gradcheck perturbs its inputs in place, so passing the parameters checks their gradients too.
+    def fn(inp, *_params):
+        return wrapper(inp)
+
+    assert torch.autograd.gradcheck(fn, (x, *params), eps=1e-6, atol=1e-7)
+
+
+def test_train_mode_batchnorm_is_refused():
+    module = nn.Sequential(nn.Conv2d(3, 4, 3), nn.BatchNorm2d(4))
+    x = torch.randn(4, 3, 5, 5)
+    with pytest.raises(ValueError, match="train-mode BatchNorm"):
+        SequentialBackprop(module, 2)(x)
+    module.eval()  # fixed statistics are per-sample maths: accepted
+    wrapper = SequentialBackprop(module, 2).train()
+    wrapper.module.eval()
+    assert wrapper(x).requires_grad
+    gn = nn.Sequential(nn.Conv2d(3, 4, 3), nn.GroupNorm(2, 4))
+    assert SequentialBackprop(gn, 2)(x).requires_grad
+
+
+def test_each_parameter_gradient_is_accumulated_once_per_backward():
+    module = _res5_stage().float()
+    counts = {name: 0 for name, _ in module.named_parameters()}
+    for name, p in module.named_parameters():
+        p.register_post_accumulate_grad_hook(lambda _p, name=name: counts.__setitem__(name, counts[name] + 1))
+    x = torch.randn(10, module[0].conv1.in_channels, 8, 8, requires_grad=True)
+    SequentialBackprop(module, 3)(x).sum().backward()
+    assert set(counts.values()) == {1}
+    SequentialBackprop(module, 3)(x).sum().backward()
+    assert set(counts.values()) == {2}
+
+
+def test_forward_runs_once_per_chunk_in_backward_and_once_in_eval():
+    module = nn.Linear(4, 2)
+    calls = []
+    module.register_forward_hook(lambda *_: calls.append(1))
+    wrapper = SequentialBackprop(module, 3)
+    out = wrapper(torch.randn(10, 4))  # 4 chunks
+    assert len(calls) == 4
+    out.sum().backward()
+    assert len(calls) == 8
+    calls.clear()
+    wrapper.eval()
+    wrapper(torch.randn(10, 4))
+    assert len(calls) == 1
+    calls.clear()
+    wrapper.train()
+    with torch.no_grad():
+        wrapper(torch.randn(10, 4))
+    assert len(calls) == 1
+
+
+def test_edge_cases_input_without_grad_empty_batch_and_no_chunking():
+    torch.manual_seed(0)
+    module = nn.Linear(4, 2).double()
+    x = torch.randn(6, 4, dtype=torch.double)
+    ref_out, ref_grads = _run(module, module, [x])
+    out, grads = _run(module, SequentialBackprop(module, 4), [x])  # input needs no grad
+    _assert_same(out, grads, ref_out, ref_grads)
+
+    empty = torch.randn(0, 4, dtype=torch.double, requires_grad=True)
+    out = SequentialBackprop(module, 4)(empty)
+    assert out.shape == (0, 2)
+    out.sum().backward()
+    assert empty.grad.shape == (0, 4)
+
+    plain = SequentialBackprop(module, None)
+    assert torch.equal(plain(x), module(x))
+
+
+def test_shared_and_non_tensor_inputs():
+    class Scaled(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.fc = nn.Linear(3, 3)
+
+        def forward(self, bias, x, scale):
+            return self.fc(x) * scale + bias
+
+    torch.manual_seed(0)
+    module = Scaled().double()
+    bias = torch.randn(3, dtype=torch.double, requires_grad=True)
+    x = torch.randn(N, 3, dtype=torch.double, requires_grad=True)
+    ref_out, ref_grads = _run(module, lambda b, i: module(b, i, 2.0), [bias, x])
+    wrapper = SequentialBackprop(module, 4, shared_inputs=(0,))
+    out, grads = _run(module, lambda b, i: wrapper(b, i, 2.0), [bias, x])
+    _assert_same(out, grads, ref_out, ref_grads)
+
+
+def test_mismatched_split_inputs_are_refused():
+    module = nn.Bilinear(2, 2, 1)
+    with pytest.raises(ValueError, match="same size along dim 0"):
+        SequentialBackprop(module, 2)(torch.randn(3, 2), torch.randn(4, 2))
+
+
+def test_autocast_state_is_restored_in_the_recompute():
+    torch.manual_seed(0)
+    module = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 4))
+    x = torch.randn(N, 8, requires_grad=True)
+
+    def chunked_plain(inp):
+        return torch.cat([module(inp[s : s + 4]) for s in range(0, N, 4)])
+
+    # The recompute casts the weights once per chunk and sums the chunks' gradients in float32; the
+    # reference does the same with the autocast cache off (with it on, chunks would share one bfloat16
+    # weight copy and sum their gradients in bfloat16).
+    with torch.autocast("cpu", dtype=torch.bfloat16, cache_enabled=False):
+        ref_out, ref_grads = _run(module, chunked_plain, [x])
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        out, grads = _run(module, SequentialBackprop(module, 4), [x])
+    assert out.dtype == torch.bfloat16
+    _assert_same(out.float(), grads, ref_out.float(), ref_grads, tol=1e-6)
+    # Without autocast the float32 gradients differ: the recompute really ran in bfloat16.
+    _, fp32_grads = _run(module, chunked_plain, [x])
+    assert any(_max_rel_err(g, r) > 1e-4 for g, r in zip(grads, fp32_grads, strict=True))

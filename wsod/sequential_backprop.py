@@ -1,0 +1,254 @@
+"""Sequential batch back-propagation: run a per-sample module on a batch without keeping activations.
+
+A per-ROI neck (ResNet res5) on thousands of ROIs is the memory hog of a WSOD detector: plain autograd
+keeps every block's activations for every ROI. ``SequentialBackprop`` instead runs the module chunk by
+chunk under ``no_grad`` in the forward pass, keeps only its inputs, and in the backward pass recomputes
+one chunk at a time with gradients enabled, back-propagates that chunk's slice of the output gradient and
+accumulates the input and parameter gradients. Peak memory is then one chunk's activations, whatever the
+batch size; the cost is one extra forward of the module.
+
+Correctness conditions (they follow from recomputation):
+
+* the module must treat samples independently: train-mode BatchNorm mixes samples of a chunk and would
+  update its running statistics twice, so it is refused (frozen BN, eval-mode BN and GroupNorm are fine);
+* randomness is replayed: each chunk's RNG state is stashed before its forward and restored for its
+  recompute, so dropout draws the same masks (the reference is plain autograd over the same chunks, in
+  the same order, under the same seed: a whole-batch forward draws different masks);
+* the autocast state of the forward is restored in the recompute;
+* the module's parameters are explicit inputs of the autograd Function, and their gradients are summed
+  over chunks and returned once, so each ``.grad`` is accumulated exactly once per backward, which is what
+  DistributedDataParallel's gradient hooks require.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+from torch.autograd.function import once_differentiable
+from torch.utils.checkpoint import get_device_states, set_device_states
+
+__all__ = ["SequentialBackprop", "check_per_sample_module"]
+
+
+def check_per_sample_module(module: nn.Module) -> None:
+    """Raise if ``module`` contains train-mode BatchNorm, which recomputation cannot reproduce.
+
+    Train-mode BatchNorm normalises each chunk with that chunk's statistics (so the result depends on
+    how the batch is chunked, unlike the per-sample maths the wrapper assumes) and updates its running
+    statistics once in the forward and again in every recompute.
+    """
+    for name, sub in module.named_modules():
+        if isinstance(sub, nn.modules.batchnorm._BatchNorm) and sub.training:
+            raise ValueError(
+                f"SequentialBackprop cannot wrap a module with train-mode BatchNorm ('{name or 'module'}':"
+                f" {type(sub).__name__}): batch statistics mix the samples of a chunk and the running"
+                " statistics would be updated twice by the recompute. Use FrozenBatchNorm2d, eval-mode"
+                " BatchNorm or GroupNorm inside the wrapped module, or chunk_size=None."
+            )
+
+
+class _ChunkPlan:
+    """Which inputs are split along dim 0 and which are passed whole to every chunk."""
+
+    def __init__(self, inputs: Sequence[Any], shared: frozenset[int], chunk_size: int) -> None:
+        self.shared = shared
+        split_sizes = {x.shape[0] for i, x in enumerate(inputs) if isinstance(x, Tensor) and i not in shared}
+        if len(split_sizes) != 1:
+            raise ValueError(
+                "SequentialBackprop needs at least one split tensor input and all split inputs must have"
+                f" the same size along dim 0; got sizes {sorted(split_sizes)} (shared inputs:"
+                f" {sorted(shared)})"
+            )
+        self.num_samples = split_sizes.pop()
+        self.bounds = [
+            (start, min(start + chunk_size, self.num_samples))
+            for start in range(0, self.num_samples, chunk_size)
+        ]
+
+    def is_split(self, index: int, value: Any) -> bool:
+        return isinstance(value, Tensor) and index not in self.shared
+
+    def chunk(self, inputs: Sequence[Any], start: int, end: int) -> list[Any]:
+        return [x[start:end] if self.is_split(i, x) else x for i, x in enumerate(inputs)]
+
+
+def _autocast_state(device_type: str) -> dict[str, Any]:
+    return {
+        "enabled": torch.is_autocast_enabled(device_type),
+        "dtype": torch.get_autocast_dtype(device_type),
+        "cache_enabled": torch.is_autocast_cache_enabled(),
+    }
+
+
+class _SequentialBackpropFunction(torch.autograd.Function):
+    """Chunked forward without graph; chunked recompute-and-backward; parameters as explicit inputs."""
+
+    @staticmethod
+    def forward(
+        ctx: Any,
+        module: nn.Module,
+        plan: _ChunkPlan,
+        preserve_rng_state: bool,
+        num_inputs: int,
+        *inputs_and_params: Any,
+    ) -> Tensor:
+        inputs = inputs_and_params[:num_inputs]
+        params = inputs_and_params[num_inputs:]
+        tensors = [x for x in inputs if isinstance(x, Tensor)]
+        device_type = tensors[0].device.type
+        ctx.module, ctx.plan, ctx.num_inputs = module, plan, num_inputs
+        ctx.device_type = device_type
+        # Autocast is thread-local and backward may run on another thread: restore it explicitly.
+        ctx.autocast_kwargs = _autocast_state(device_type)
+        ctx.cpu_autocast_kwargs = _autocast_state("cpu")
+        ctx.preserve_rng_state = preserve_rng_state
+        ctx.rng_states: list[tuple[Tensor, list[int], list[Tensor]]] = []
+
+        outputs = []
+        for start, end in plan.bounds:  # grad mode is already off inside Function.forward
+            chunk = plan.chunk(inputs, start, end)
+            if preserve_rng_state:
+                ctx.rng_states.append((torch.get_rng_state(), *get_device_states(*chunk)))
+            out = module(*chunk)
+            if not isinstance(out, Tensor) or out.shape[0] != end - start:
+                raise TypeError(
+                    "SequentialBackprop: the wrapped module must return one tensor with one row per"
+                    f" sample; got {type(out).__name__}"
+                    + (
+                        f" of shape {tuple(out.shape)} for {end - start} samples"
+                        if isinstance(out, Tensor)
+                        else ""
+                    )
+                )
+            outputs.append(out)
+        ctx.save_for_backward(*(x if isinstance(x, Tensor) else None for x in inputs))
+        ctx.non_tensor_inputs = {i: x for i, x in enumerate(inputs) if not isinstance(x, Tensor)}
+        ctx.params = params
+        return torch.cat(outputs) if len(outputs) > 1 else outputs[0]
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx: Any, grad_output: Tensor) -> tuple[Tensor | None, ...]:
+        plan: _ChunkPlan = ctx.plan
+        saved = ctx.saved_tensors
+        inputs = [ctx.non_tensor_inputs.get(i, t) for i, t in enumerate(saved)]
+        params = ctx.params
+        needs_input_grad = ctx.needs_input_grad[4:]  # skip module, plan, preserve_rng_state, num_inputs
+        input_wants_grad = [isinstance(x, Tensor) and needs_input_grad[i] for i, x in enumerate(inputs)]
+        param_wants_grad = list(needs_input_grad[ctx.num_inputs :])
+
+        # Shared inputs are detached once: every chunk's graph starts from the same leaf, and its
+        # per-chunk gradients are summed. Split inputs get one full-size buffer written slice by slice.
+        leaves = [
+            x.detach().requires_grad_(wants) if isinstance(x, Tensor) else x
+            for x, wants in zip(inputs, input_wants_grad, strict=True)
+        ]
+        input_grads: list[Tensor | None] = [
+            torch.zeros_like(x) if wants else None for x, wants in zip(inputs, input_wants_grad, strict=True)
+        ]
+        param_grads: list[Tensor | None] = [None] * len(params)
+        grad_params = [p for p, wants in zip(params, param_wants_grad, strict=True) if wants]
+
+        for chunk_index, (start, end) in enumerate(plan.bounds):
+            chunk = [
+                x[start:end].detach().requires_grad_(input_wants_grad[i]) if plan.is_split(i, x) else x
+                for i, x in enumerate(leaves)
+            ]
+            wrt_inputs = [x for x, wants in zip(chunk, input_wants_grad, strict=True) if wants]
+            rng = contextlib.nullcontext()
+            if ctx.preserve_rng_state:
+                cpu_state, devices, device_states = ctx.rng_states[chunk_index]
+                rng = torch.random.fork_rng(devices=devices, device_type=ctx.device_type)
+            with rng:
+                if ctx.preserve_rng_state:
+                    torch.set_rng_state(cpu_state)
+                    set_device_states(devices, device_states, device_type=ctx.device_type)
+                with (
+                    torch.enable_grad(),
+                    torch.autocast(ctx.device_type, **ctx.autocast_kwargs),
+                    torch.autocast("cpu", **ctx.cpu_autocast_kwargs),
+                ):
+                    out = ctx.module(*chunk)
+            grads = torch.autograd.grad(
+                out, wrt_inputs + grad_params, grad_output[start:end], allow_unused=True
+            )
+            grads_iter = iter(grads)
+            for i, wants in enumerate(input_wants_grad):
+                if not wants:
+                    continue
+                g = next(grads_iter)
+                if g is None:
+                    continue
+                if plan.is_split(i, inputs[i]):
+                    input_grads[i][start:end] = g
+                else:
+                    input_grads[i] += g
+            p_index = 0
+            for j, wants in enumerate(param_wants_grad):
+                if not wants:
+                    continue
+                g = grads[len(wrt_inputs) + p_index]
+                p_index += 1
+                if g is not None:
+                    param_grads[j] = g if param_grads[j] is None else param_grads[j] + g
+            del out, grads, grads_iter, chunk, wrt_inputs
+
+        return (None, None, None, None, *input_grads, *param_grads)
+
+
+class SequentialBackprop(nn.Module):
+    """Apply a per-sample ``module`` to a batch in chunks, recomputing it chunk by chunk in backward.
+
+    Args:
+        module: maps inputs whose dim 0 indexes samples to one tensor with one row per sample. It must
+            treat samples independently (no train-mode BatchNorm; checked at every training call).
+        chunk_size: samples per chunk, or ``None`` for plain autograd (the module is simply called).
+        shared_inputs: positions of tensor inputs passed whole to every chunk instead of being split,
+            e.g. ``(0,)`` for a feature map ``(B, C, H, W)`` shared by per-ROI boxes ``(R, 5)``. Every
+            other tensor input is split along dim 0 and all must have the same length N. Non-tensor
+            inputs are passed unchanged.
+        preserve_rng_state: stash and replay each chunk's RNG state so that dropout inside the module
+            draws the same masks in the recompute. Turn off only for deterministic modules.
+
+    Forward: ``inputs`` as the module takes them -> the module's output for all N samples, the chunk
+    outputs concatenated along dim 0. Under ``torch.no_grad()``, in eval mode, when nothing requires
+    grad or when N == 0 the module is called once on the whole batch with no overhead.
+    """
+
+    def __init__(
+        self,
+        module: nn.Module,
+        chunk_size: int | None,
+        *,
+        shared_inputs: Sequence[int] = (),
+        preserve_rng_state: bool = True,
+    ) -> None:
+        super().__init__()
+        if chunk_size is not None and chunk_size < 1:
+            raise ValueError(f"chunk_size must be a positive integer or None, got {chunk_size}")
+        self.module = module
+        self.chunk_size = chunk_size
+        self.shared_inputs = frozenset(shared_inputs)
+        self.preserve_rng_state = preserve_rng_state
+
+    def extra_repr(self) -> str:
+        return f"chunk_size={self.chunk_size}, shared_inputs={sorted(self.shared_inputs)}"
+
+    def forward(self, *inputs: Any) -> Tensor:
+        if self.chunk_size is None or not self.training or not torch.is_grad_enabled():
+            return self.module(*inputs)
+        check_per_sample_module(self.module)
+        params = [p for p in self.module.parameters() if p.requires_grad]
+        any_input_grad = any(isinstance(x, Tensor) and x.requires_grad for x in inputs)
+        if not params and not any_input_grad:
+            return self.module(*inputs)
+        plan = _ChunkPlan(inputs, self.shared_inputs, self.chunk_size)
+        if plan.num_samples == 0:
+            return self.module(*inputs)  # nothing to save; keeps output shape and graph trivially right
+        return _SequentialBackpropFunction.apply(
+            self.module, plan, self.preserve_rng_state, len(inputs), *inputs, *params
+        )
