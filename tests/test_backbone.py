@@ -1,0 +1,91 @@
+"""ResNet C4 base and res5 neck: shapes, freezing, weights by file path and by torchvision name."""
+
+from __future__ import annotations
+
+import urllib.error
+
+import pytest
+import torch
+import torchvision
+from torchvision.ops.misc import FrozenBatchNorm2d
+
+from wsod.modeling.backbone import build_resnet_c4
+from wsod.modeling.roi_head import RoIFeatureHead, build_roi_pooler
+
+
+@pytest.mark.parametrize(
+    "depth,width,c4,c5", [(18, 0.25, 64, 128), (18, 1.0, 256, 512), (50, 1.0, 1024, 2048)]
+)
+def test_output_shapes_and_stride(depth, width, c4, c5):
+    base, res5 = build_resnet_c4(depth, width=width)
+    assert base.out_channels == c4 and res5.out_channels == c5
+    with torch.no_grad():
+        features = base(torch.randn(1, 3, 96, 160))
+        assert features.shape == (1, c4, 6, 10)
+        assert res5(torch.randn(2, c4, 14, 14)).shape == (2, c5, 7, 7)
+    assert isinstance(base.stem.bn1, FrozenBatchNorm2d)
+
+
+def test_freeze_at():
+    base, res5 = build_resnet_c4(18, width=0.25, freeze_at=2)
+    assert not any(p.requires_grad for p in base.stem.parameters())
+    assert not any(p.requires_grad for p in base.res2.parameters())
+    assert all(p.requires_grad for p in base.res3.parameters())
+    assert all(p.requires_grad for p in res5.parameters())
+    base, _ = build_resnet_c4(18, width=0.25, freeze_at=0)
+    assert all(p.requires_grad for p in base.parameters())
+
+
+def test_weights_from_a_local_file_match_torchvision(tmp_path):
+    torch.manual_seed(0)
+    reference = torchvision.models.resnet18()
+    path = tmp_path / "resnet18.pth"
+    torch.save(reference.state_dict(), path)
+    base, res5 = build_resnet_c4(18, weights=str(path))
+    assert torch.equal(base.stem.conv1.weight, reference.conv1.weight)
+    assert torch.equal(base.res4[1].conv2.weight, reference.layer3[1].conv2.weight)
+    assert torch.equal(res5[0].downsample[1].running_var, reference.layer4[0].downsample[1].running_var)
+    reference.eval()
+    image = torch.randn(1, 3, 64, 64)
+    with torch.no_grad():
+        ours = res5(base(image))
+        theirs = reference.layer4(
+            reference.layer3(reference.layer2(reference.layer1(reference.maxpool(reference.relu(
+                reference.bn1(reference.conv1(image))))))))  # fmt: skip
+    assert torch.allclose(ours, theirs, atol=1e-5)
+
+
+def test_bad_weights_give_clear_errors(tmp_path, monkeypatch):
+    with pytest.raises(FileNotFoundError, match="missing.pth"):
+        build_resnet_c4(18, weights=str(tmp_path / "missing.pth"))
+    wrong = tmp_path / "wrong.pth"
+    torch.save(torchvision.models.resnet34().state_dict(), wrong)
+    with pytest.raises(ValueError, match="do not fit resnet18"):
+        build_resnet_c4(18, weights=str(wrong))
+    with pytest.raises(ValueError, match="IMAGENET1K_V1"):
+        build_resnet_c4(18, weights="NO_SUCH_WEIGHTS")
+    with pytest.raises(ValueError, match="width=1.0"):
+        build_resnet_c4(18, width=0.5, weights="DEFAULT")
+
+    def offline(*args, **kwargs):
+        raise urllib.error.URLError("no network")
+
+    monkeypatch.setattr(torchvision.models._api, "load_state_dict_from_url", offline)
+    with pytest.raises(RuntimeError, match="download.pytorch.org.*pass the file's path"):
+        build_resnet_c4(50, weights="IMAGENET1K_V1")
+
+
+def test_roi_head_modes_agree():
+    torch.manual_seed(0)
+    _, res5 = build_resnet_c4(18, width=0.25)
+    features = torch.randn(2, 64, 8, 10, requires_grad=True)
+    rois = torch.tensor([[0, 0, 0, 60, 60], [1, 16, 16, 150, 120], [0, 30, 8, 90, 100.0]])
+    outputs = []
+    for chunk_size, fuse in [(None, True), (2, True), (2, False)]:
+        head = RoIFeatureHead(build_roi_pooler("align"), res5, chunk_size=chunk_size, fuse_pooling=fuse)
+        out = head(features, rois)
+        assert out.shape == (3, 128)
+        outputs.append(out.detach())
+    assert all(torch.allclose(o, outputs[0], atol=1e-6) for o in outputs)
+    pooled = RoIFeatureHead(build_roi_pooler("pool"), res5, chunk_size=2)
+    assert pooled(features, rois).shape == (3, 128)

@@ -1,0 +1,157 @@
+"""The whole detector: sequential backprop changes nothing but memory; degenerate batches; inference."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torchvision.ops import box_iou
+
+from wsod.modeling import WeaklySupervisedDetector, build_detector
+
+NUM_CLASSES = 3
+
+
+def _proposals(seed: int, count: int, height: int, width: int, dtype=torch.float32) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    x1 = torch.rand(count, generator=g) * (width - 12)
+    y1 = torch.rand(count, generator=g) * (height - 12)
+    w = torch.rand(count, generator=g) * (width - x1 - 4) + 4
+    h = torch.rand(count, generator=g) * (height - y1 - 4) + 4
+    return torch.stack([x1, y1, x1 + w, y1 + h], dim=1).to(dtype)
+
+
+def _batch(dtype=torch.float32, counts=(13, 6), labels=((1, 0, 1), (0, 1, 0))):
+    g = torch.Generator().manual_seed(0)
+    images = torch.randn(len(counts), 3, 64, 96, generator=g).to(dtype)
+    proposals = [_proposals(i, n, 64, 96, dtype) for i, n in enumerate(counts)]
+    image_labels = torch.tensor(labels, dtype=dtype)
+    return images, proposals, image_labels
+
+
+def _tiny(chunk_size, fuse_pooling=True, backbone="resnet18", **kw) -> WeaklySupervisedDetector:
+    torch.manual_seed(0)
+    return build_detector(
+        backbone, num_classes=NUM_CLASSES, chunk_size=chunk_size, width=0.25, fuse_pooling=fuse_pooling, **kw
+    )
+
+
+def _losses_and_grads(model, batch):
+    model.zero_grad(set_to_none=True)
+    losses = model(*batch)
+    sum(losses.values()).backward()
+    grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.requires_grad}
+    return {k: v.detach() for k, v in losses.items()}, grads
+
+
+@pytest.mark.parametrize(
+    "backbone,fuse_pooling",
+    [("resnet18", True), ("resnet18", False), ("resnet50", True)],
+    ids=["r18-fused", "r18-paper", "r50-fused"],
+)
+def test_sequential_backprop_gives_the_same_losses_and_gradients(backbone, fuse_pooling):
+    batch = _batch(torch.double)
+    plain = _tiny(None, backbone=backbone).double()
+    ref_losses, ref_grads = _losses_and_grads(plain, batch)
+    sequential = _tiny(4, fuse_pooling, backbone=backbone).double()
+    sequential.load_state_dict(plain.state_dict())
+    losses, grads = _losses_and_grads(sequential, batch)
+    assert (
+        losses.keys()
+        == ref_losses.keys()
+        == {
+            "loss_mil",
+            *(f"loss_ref_{kind}_{k}" for kind in ("cls", "box") for k in (1, 2, 3)),
+        }
+    )
+    for name, value in losses.items():
+        assert torch.allclose(value, ref_losses[name], rtol=1e-8, atol=0), name
+    assert grads.keys() == ref_grads.keys()
+    for name, grad in grads.items():
+        ref = ref_grads[name]
+        assert (grad - ref).abs().max() <= 1e-8 * ref.abs().max().clamp(min=1e-30), name
+    # The comparison is meaningful: the res5 and base gradients are not all zero.
+    assert any(g.abs().sum() > 0 for n, g in ref_grads.items() if n.startswith("roi_head"))
+    assert any(g.abs().sum() > 0 for n, g in ref_grads.items() if n.startswith("base"))
+
+
+@pytest.mark.parametrize(
+    "counts,labels",
+    [
+        ((9, 5), ((0, 0, 0), (0, 1, 1))),  # an image with an empty label vector
+        ((1, 1), ((1, 0, 0), (0, 0, 1))),  # single proposals
+        ((17, 3), ((1, 1, 0), (0, 0, 1))),  # different proposal counts
+    ],
+    ids=["empty-labels", "single-proposal", "different-counts"],
+)
+def test_degenerate_batches_give_finite_losses_and_gradients(counts, labels):
+    model = _tiny(4)
+    model.train()
+    losses = model(*_batch(counts=counts, labels=labels))
+    assert all(torch.isfinite(v) for v in losses.values())
+    sum(losses.values()).backward()
+    for name, p in model.named_parameters():
+        if p.requires_grad:
+            assert p.grad is not None, name
+            assert torch.isfinite(p.grad).all(), name
+
+
+def test_frozen_stages_get_no_gradient_and_the_rest_do():
+    model = _tiny(4)
+    trainable = {n for n, p in model.named_parameters() if p.requires_grad}
+    assert not any(n.startswith(("base.stem", "base.res2")) for n in trainable)
+    assert any(n.startswith("base.res3") for n in trainable)
+    assert any(n.startswith("roi_head") for n in trainable)
+
+
+def test_train_mode_batchnorm_in_the_neck_is_refused_but_allowed_in_the_base():
+    model = _tiny(4, norm="bn", neck_norm="gn", freeze_at=0)
+    losses = model(*_batch())
+    sum(losses.values()).backward()
+    bad = _tiny(4, norm="bn")
+    with pytest.raises(ValueError, match="train-mode BatchNorm"):
+        bad(*_batch())
+    assert _tiny(None, norm="bn")(*_batch())["loss_mil"].isfinite()  # plain autograd: allowed
+
+
+def test_training_without_labels_is_an_error():
+    images, proposals, _ = _batch()
+    with pytest.raises(ValueError, match="image_labels"):
+        _tiny(4)(images, proposals)
+    with pytest.raises(ValueError, match="image 1"):
+        _tiny(4)(images, [proposals[0], proposals[1][:0]], _batch()[2])
+
+
+def test_inference_returns_nms_detections_in_original_pixels():
+    model = _tiny(4).eval()
+    # Sharper heads so that scores and deltas are far from uniform.
+    for student in model.students:
+        torch.nn.init.normal_(student.cls_score.weight, std=0.5)
+        torch.nn.init.normal_(student.bbox_pred.weight, std=0.1)
+    images, proposals, _ = _batch(counts=(120, 40))
+    image_sizes = [(60, 90), (64, 80)]
+    original_sizes = [(120, 180), (32, 40)]
+    with torch.no_grad():
+        detections = model(images, proposals, image_sizes=image_sizes, original_sizes=original_sizes)
+    assert len(detections) == 2
+    for det, (h, w) in zip(detections, original_sizes, strict=True):
+        assert det.keys() == {"boxes", "scores", "labels"}
+        n = det["boxes"].shape[0]
+        assert 0 < n <= 100 and det["scores"].shape == (n,) and det["labels"].shape == (n,)
+        assert det["labels"].min() >= 0 and det["labels"].max() < NUM_CLASSES
+        assert (det["scores"][:-1] >= det["scores"][1:]).all()
+        boxes = det["boxes"]
+        assert (boxes[:, 0] >= 0).all() and (boxes[:, 2] <= w).all()
+        assert (boxes[:, 1] >= 0).all() and (boxes[:, 3] <= h).all()
+        for c in det["labels"].unique():
+            same = boxes[det["labels"] == c]
+            iou = box_iou(same, same).fill_diagonal_(0)
+            assert (iou <= 0.3 + 1e-6).all()
+    # Per-ROI predictions scale with the image: doubling the original size doubles every box.
+    with torch.no_grad():
+        features = model.roi_features(images, proposals)
+        small = model.predict_rois(features, proposals, image_sizes, image_sizes)
+        large = model.predict_rois(features, proposals, image_sizes, [(2 * h, 2 * w) for h, w in image_sizes])
+    for (s_scores, s_boxes), (l_scores, l_boxes) in zip(small, large, strict=True):
+        assert torch.equal(s_scores, l_scores)
+        assert torch.allclose(2 * s_boxes, l_boxes)
+        assert torch.allclose(s_scores.sum(dim=1), torch.ones(len(s_scores)))

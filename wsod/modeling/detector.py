@@ -1,0 +1,283 @@
+"""The weakly-supervised detector: C4 base -> ROI features -> MIL teacher + refinement students.
+
+Batch contract (``forward``):
+    images (B, 3, H, W), padded; proposals: list of B tensors (R_i, 4) xyxy in the pixels of the
+    resized image; image_labels (B, C) multi-hot over foreground classes (training only);
+    image_sizes: list of (h, w) of each resized image before padding; original_sizes: list of (h, w)
+    of each image on disk. Both default to the padded size (no rescaling).
+
+Training returns ``{"loss_mil", "loss_ref_cls_k", "loss_ref_box_k" for k = 1..K}``, scalars whose sum
+is the training loss. Evaluation returns per image ``{"boxes" (D, 4) in original pixels, "scores" (D,),
+"labels" (D,) foreground class 0..C-1}``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+from torchvision.ops import batched_nms, clip_boxes_to_image, remove_small_boxes
+
+from wsod.modeling.backbone import build_resnet_c4
+from wsod.modeling.box_coder import decode_boxes
+from wsod.modeling.mil import MILHead, mil_loss
+from wsod.modeling.refinement import (
+    RefinementStudent,
+    mist_pseudo_labels,
+    oicr_pseudo_labels,
+    refinement_losses,
+)
+from wsod.modeling.roi_head import RoIFeatureHead, build_roi_pooler
+
+__all__ = ["WeaklySupervisedDetector", "build_detector", "proposals_to_rois"]
+
+ImageSize = tuple[int, int]
+# Detections narrower or shorter than this (original pixels) are dropped, as torchvision's heads do.
+MIN_BOX_SIZE = 1e-2
+
+
+def proposals_to_rois(proposals: Sequence[Tensor]) -> Tensor:
+    """List of B (R_i, 4) boxes -> (sum R_i, 5) rows (batch index, x1, y1, x2, y2), as RoIAlign takes."""
+    indices = [torch.full_like(p[:, :1], i) for i, p in enumerate(proposals)]
+    return torch.cat([torch.cat(indices), torch.cat(list(proposals))], dim=1)
+
+
+class WeaklySupervisedDetector(nn.Module):
+    """MIST detector (Ren et al., CVPR 2020) on a base network and a per-ROI feature head.
+
+    Args:
+        base: images (B, 3, H, W) -> feature map (B, C4, H/16, W/16).
+        roi_head: (feature map, rois (R, 5)) -> ROI features (R, D), e.g. ``RoIFeatureHead``.
+        mil_head: the WSDDN teacher, ``MILHead(D, C)``.
+        students: K ``RefinementStudent(D, C)``; at least one (inference averages them).
+        pseudo_labels: "mist" or "oicr".
+        mist_p, mist_tau, mist_suppress: MIST's top fraction, suppression IoU and rule.
+        fg_iou: IoU with a pseudo box from which an ROI is foreground.
+        first_student_loss_weight: the reference code weights student 1's losses by 3.
+        nms_iou, score_threshold, detections_per_image: inference post-processing.
+    """
+
+    def __init__(
+        self,
+        *,
+        base: nn.Module,
+        roi_head: nn.Module,
+        mil_head: MILHead,
+        students: Sequence[RefinementStudent],
+        pseudo_labels: str = "mist",
+        mist_p: float = 0.15,
+        mist_tau: float = 0.2,
+        mist_suppress: str = "candidates",
+        fg_iou: float = 0.5,
+        first_student_loss_weight: float = 3.0,
+        nms_iou: float = 0.3,
+        score_threshold: float = 0.0,
+        detections_per_image: int = 100,
+    ) -> None:
+        super().__init__()
+        if len(students) < 1:
+            raise ValueError("the detector needs at least one refinement student")
+        if pseudo_labels not in ("mist", "oicr"):
+            raise ValueError(f"unknown pseudo_labels '{pseudo_labels}': expected 'mist' or 'oicr'")
+        if mist_suppress not in ("candidates", "kept"):
+            raise ValueError(f"unknown mist_suppress '{mist_suppress}': expected 'candidates' or 'kept'")
+        self.base = base
+        self.roi_head = roi_head
+        self.mil_head = mil_head
+        self.students = nn.ModuleList(students)
+        self.pseudo_labels = pseudo_labels
+        self.mist_p, self.mist_tau, self.mist_suppress = mist_p, mist_tau, mist_suppress
+        self.fg_iou = fg_iou
+        self.first_student_loss_weight = first_student_loss_weight
+        self.nms_iou = nms_iou
+        self.score_threshold = score_threshold
+        self.detections_per_image = detections_per_image
+
+    @property
+    def num_classes(self) -> int:
+        return self.mil_head.cls_score.out_features - 1
+
+    def forward(
+        self,
+        images: Tensor,
+        proposals: Sequence[Tensor],
+        image_labels: Tensor | None = None,
+        image_sizes: Sequence[ImageSize] | None = None,
+        original_sizes: Sequence[ImageSize] | None = None,
+    ) -> dict[str, Tensor] | list[dict[str, Tensor]]:
+        """Losses in training mode, detections in eval mode (see the module docstring)."""
+        self._check_inputs(images, proposals, image_labels)
+        roi_features = self.roi_features(images, proposals)
+        if self.training:
+            return self.losses(roi_features, proposals, image_labels)
+        padded = (images.shape[-2], images.shape[-1])
+        image_sizes = image_sizes or [padded] * len(proposals)
+        original_sizes = original_sizes or image_sizes
+        per_roi = self.predict_rois(roi_features, proposals, image_sizes, original_sizes)
+        return [self.postprocess(scores, boxes) for scores, boxes in per_roi]
+
+    def _check_inputs(self, images: Tensor, proposals: Sequence[Tensor], image_labels: Tensor | None) -> None:
+        if images.dim() != 4 or len(proposals) != images.shape[0]:
+            raise ValueError(
+                f"expected images (B, 3, H, W) and B proposal tensors; got images"
+                f" {tuple(images.shape)} and {len(proposals)} proposal tensors"
+            )
+        for i, boxes in enumerate(proposals):
+            if boxes.dim() != 2 or boxes.shape[1] != 4 or boxes.shape[0] == 0:
+                raise ValueError(
+                    f"image {i} of the batch: proposals must be a non-empty (R, 4) tensor, got"
+                    f" {tuple(boxes.shape)}"
+                )
+        if self.training and (
+            image_labels is None or image_labels.shape != (len(proposals), self.num_classes)
+        ):
+            got = None if image_labels is None else tuple(image_labels.shape)
+            raise ValueError(
+                f"training needs image_labels of shape (B, C) = ({len(proposals)},"
+                f" {self.num_classes}), got {got}"
+            )
+
+    def roi_features(self, images: Tensor, proposals: Sequence[Tensor]) -> Tensor:
+        """images (B, 3, H, W), proposals B x (R_i, 4) -> ROI features (sum R_i, D)."""
+        return self.roi_head(self.base(images), proposals_to_rois(proposals))
+
+    def losses(
+        self, roi_features: Tensor, proposals: Sequence[Tensor], image_labels: Tensor
+    ) -> dict[str, Tensor]:
+        """MIL loss of the teacher, then each student trained on pseudo-labels from its predecessor."""
+        counts = [len(p) for p in proposals]
+        teacher_scores = self.mil_head(roi_features, counts)  # (R, C+1)
+        losses = {"loss_mil": mil_loss(teacher_scores, counts, image_labels)}
+        roi_normalizer = torch.cat([roi_features.new_full((n,), 1.0 / (n * len(counts))) for n in counts])
+        source_scores = teacher_scores.detach()
+        for k, student in enumerate(self.students, start=1):
+            logits, deltas = student(roi_features)
+            labels, weights, targets = self._pseudo_labels(source_scores, proposals, image_labels)
+            cls_loss, box_loss = refinement_losses(logits, deltas, labels, weights, targets, roi_normalizer)
+            factor = self.first_student_loss_weight if k == 1 else 1.0
+            losses[f"loss_ref_cls_{k}"] = factor * cls_loss
+            losses[f"loss_ref_box_{k}"] = factor * box_loss
+            source_scores = F.softmax(logits.detach(), dim=1)
+        return losses
+
+    def _pseudo_labels(
+        self, source_scores: Tensor, proposals: Sequence[Tensor], image_labels: Tensor
+    ) -> tuple[Tensor, Tensor, Tensor]:
+        """Per-image pseudo-labels from (R, C+1) source scores, concatenated over the batch."""
+        per_image = []
+        for boxes, scores, labels in zip(
+            proposals, source_scores.split([len(p) for p in proposals]), image_labels, strict=True
+        ):
+            foreground = scores[:, 1:]
+            if self.pseudo_labels == "oicr":
+                per_image.append(oicr_pseudo_labels(boxes, foreground, labels, fg_iou=self.fg_iou))
+            else:
+                per_image.append(
+                    mist_pseudo_labels(
+                        boxes,
+                        foreground,
+                        labels,
+                        p=self.mist_p,
+                        tau=self.mist_tau,
+                        fg_iou=self.fg_iou,
+                        suppress=self.mist_suppress,
+                    )
+                )
+        labels, weights, targets = zip(*per_image, strict=True)
+        return torch.cat(labels), torch.cat(weights), torch.cat(targets)
+
+    def predict_rois(
+        self,
+        roi_features: Tensor,
+        proposals: Sequence[Tensor],
+        image_sizes: Sequence[ImageSize],
+        original_sizes: Sequence[ImageSize],
+    ) -> list[tuple[Tensor, Tensor]]:
+        """Per-ROI predictions before NMS, for post-processing and test-time augmentation.
+
+        Averages the students' class probabilities and box deltas, decodes each class's box, clips it to
+        the resized image and maps it to original pixels. Returns per image (scores (R_i, C+1),
+        boxes (R_i, C+1, 4)), column 0 being background.
+        """
+        outputs = [student(roi_features) for student in self.students]
+        probs = torch.stack([F.softmax(logits, dim=1) for logits, _ in outputs]).mean(dim=0)
+        deltas = torch.stack([d for _, d in outputs]).mean(dim=0)
+        rois = torch.cat(list(proposals))
+        boxes = decode_boxes(deltas, rois)
+        results = []
+        for image_probs, image_boxes, size, original in zip(
+            probs.split([len(p) for p in proposals]),
+            boxes.split([len(p) for p in proposals]),
+            image_sizes,
+            original_sizes,
+            strict=True,
+        ):
+            image_boxes = clip_boxes_to_image(image_boxes, size)
+            scale = image_boxes.new_tensor([original[1] / size[1], original[0] / size[0]] * 2)
+            results.append((image_probs, image_boxes * scale))
+        return results
+
+    def postprocess(self, scores: Tensor, boxes: Tensor) -> dict[str, Tensor]:
+        """One image's per-ROI scores (R, C+1) and boxes (R, C+1, 4) -> per-class NMS detections."""
+        num_classes = scores.shape[1] - 1
+        fg_scores = scores[:, 1:].reshape(-1)
+        fg_boxes = boxes[:, 1:].reshape(-1, 4)
+        fg_labels = torch.arange(num_classes, device=scores.device).repeat(scores.shape[0])
+        keep = fg_scores > self.score_threshold
+        fg_scores, fg_boxes, fg_labels = fg_scores[keep], fg_boxes[keep], fg_labels[keep]
+        # A box clipped to nothing (predicted outside the image) is no detection, and its IoU is 0/0.
+        keep = remove_small_boxes(fg_boxes, MIN_BOX_SIZE)
+        fg_scores, fg_boxes, fg_labels = fg_scores[keep], fg_boxes[keep], fg_labels[keep]
+        kept = batched_nms(fg_boxes.float(), fg_scores.float(), fg_labels, self.nms_iou)
+        kept = kept[: self.detections_per_image]
+        return {"boxes": fg_boxes[kept], "scores": fg_scores[kept], "labels": fg_labels[kept]}
+
+
+def build_detector(
+    backbone: str = "resnet50",
+    num_classes: int = 20,
+    chunk_size: int | None = 256,
+    *,
+    width: float = 1.0,
+    weights: str | None = None,
+    norm: str = "frozen_bn",
+    neck_norm: str | None = None,
+    freeze_at: int = 2,
+    pooler: str = "align",
+    roi_size: int = 14,
+    fuse_pooling: bool = True,
+    num_students: int = 3,
+    **detector_options,
+) -> WeaklySupervisedDetector:
+    """One-line builder: ``build_detector("resnet50", num_classes=20, chunk_size=256)``.
+
+    ``backbone`` is "resnet18", "resnet34", "resnet50" or "resnet101"; see ``build_resnet_c4`` for
+    ``width``, ``weights``, ``norm``, ``neck_norm`` and ``freeze_at``, ``RoIFeatureHead`` for
+    ``chunk_size`` and ``fuse_pooling``, and ``WeaklySupervisedDetector`` for ``detector_options``.
+    """
+    if not backbone.startswith("resnet") or not backbone[6:].isdigit():
+        raise ValueError(f"unknown backbone '{backbone}': expected resnet18/34/50/101")
+    base, res5 = build_resnet_c4(
+        int(backbone[6:]),
+        width=width,
+        weights=weights,
+        norm=norm,
+        neck_norm=neck_norm,
+        freeze_at=freeze_at,
+    )
+    roi_head = RoIFeatureHead(
+        build_roi_pooler(pooler, output_size=roi_size, spatial_scale=1 / 16),
+        res5,
+        chunk_size=chunk_size,
+        fuse_pooling=fuse_pooling,
+    )
+    feature_dim = res5.out_channels
+    return WeaklySupervisedDetector(
+        base=base,
+        roi_head=roi_head,
+        mil_head=MILHead(feature_dim, num_classes),
+        students=[RefinementStudent(feature_dim, num_classes) for _ in range(num_students)],
+        **detector_options,
+    )

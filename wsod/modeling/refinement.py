@@ -1,0 +1,176 @@
+"""Refinement students: OICR / MIST pseudo ground truth from a teacher's scores, and the students' losses.
+
+Pseudo-labelling is a pure per-image function, run without gradients, so that it can be checked on its
+own. Boxes are xyxy floats in input pixels; IoU is torchvision's ``box_iou`` (width = x2 - x1) and
+regression targets are torchvision's ``BoxCoder`` encoding with weights (10, 10, 5, 5).
+
+Ordering conventions (they decide ties): proposals of a class are ranked by score with a stable sort, so
+equal scores keep proposal order; pseudo boxes are listed class by class in ascending class order and,
+within a class, in rank order; each ROI takes the first pseudo box of maximal IoU.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+from torchvision.ops import box_iou, nms
+
+from wsod.modeling.box_coder import encode_boxes
+from wsod.modeling.mil import init_linear
+
+__all__ = [
+    "RefinementStudent",
+    "mist_pseudo_labels",
+    "oicr_pseudo_labels",
+    "refinement_losses",
+]
+
+
+class RefinementStudent(nn.Module):
+    """One student: a (C+1)-way classifier (column 0 = background) and a class-specific box regressor."""
+
+    def __init__(self, in_features: int, num_classes: int) -> None:
+        super().__init__()
+        self.cls_score = init_linear(nn.Linear(in_features, num_classes + 1))
+        self.bbox_pred = init_linear(nn.Linear(in_features, 4 * (num_classes + 1)))
+
+    def forward(self, roi_features: Tensor) -> tuple[Tensor, Tensor]:
+        """roi_features (R, D) -> logits (R, C+1), box deltas (R, 4 (C+1)) laid out class by class."""
+        return self.cls_score(roi_features), self.bbox_pred(roi_features)
+
+
+def _suppress_candidates(candidates: Tensor, tau: float, suppress: str) -> Tensor:
+    """Indices of the kept candidates (rank order). candidates (k, 4) sorted by decreasing score."""
+    if suppress == "candidates":
+        # Reference code: a candidate survives if its IoU with *every* higher-ranked candidate is < tau,
+        # whether or not those were kept themselves.
+        earlier = box_iou(candidates, candidates).tril(diagonal=-1)
+        keep = earlier.amax(dim=1) < tau
+        keep[0] = True
+        return keep.nonzero().squeeze(1)
+    if suppress == "kept":
+        # The paper's Algorithm 1: compare only with the kept ones, i.e. greedy NMS in rank order.
+        # nms suppresses IoU > threshold; the rule is keep iff IoU < tau, so suppress IoU >= tau.
+        threshold = torch.nextafter(
+            torch.tensor(tau, dtype=candidates.dtype), torch.tensor(-1.0, dtype=candidates.dtype)
+        ).item()
+        rank_scores = torch.arange(len(candidates), 0, -1, dtype=candidates.dtype, device=candidates.device)
+        return nms(candidates, rank_scores, threshold)
+    raise ValueError(f"unknown suppress='{suppress}': expected 'candidates' or 'kept'")
+
+
+def _assign_to_pseudo_boxes(
+    proposals: Tensor, boxes: Tensor, classes: Tensor, box_scores: Tensor, fg_iou: float
+) -> tuple[Tensor, Tensor, Tensor]:
+    """Each ROI takes the pseudo box of maximal IoU: its class if IoU >= fg_iou, else background."""
+    num_rois = proposals.shape[0]
+    if boxes.shape[0] == 0:
+        return (
+            torch.zeros(num_rois, dtype=torch.int64, device=proposals.device),
+            proposals.new_zeros(num_rois),
+            proposals.new_zeros(num_rois, 4),
+        )
+    overlaps = box_iou(proposals, boxes)  # (R, G)
+    assigned = overlaps.argmax(dim=1)  # first maximal pseudo box on ties
+    max_iou = overlaps.gather(1, assigned[:, None]).squeeze(1)
+    labels = torch.where(max_iou >= fg_iou, classes[assigned] + 1, 0)
+    weights = box_scores[assigned].to(proposals.dtype)
+    targets = encode_boxes(boxes[assigned], proposals)
+    targets = targets * (labels > 0)[:, None]  # background ROIs regress nothing
+    return labels, weights, targets
+
+
+@torch.no_grad()
+def mist_pseudo_labels(
+    proposals: Tensor,
+    scores: Tensor,
+    image_labels: Tensor,
+    *,
+    p: float = 0.15,
+    tau: float = 0.2,
+    fg_iou: float = 0.5,
+    suppress: str = "candidates",
+) -> tuple[Tensor, Tensor, Tensor]:
+    """MIST pseudo ground truth for one image.
+
+    For each class present in ``image_labels``: take the top ``max(1, int(p * R))`` proposals by score,
+    keep the first and each later one whose IoU with the earlier ones is < ``tau`` (all higher-ranked
+    candidates for ``suppress="candidates"``, the reference code's rule; only the kept ones for
+    ``suppress="kept"``, the paper's Algorithm 1). Kept boxes become pseudo boxes of that class carrying
+    their score. Then each ROI is assigned to its pseudo box of maximal IoU.
+
+    Args:
+        proposals: (R, 4) xyxy boxes with positive width and height.
+        scores: (R, C) source scores of the C foreground classes.
+        image_labels: (C,) multi-hot; nonzero = present.
+
+    Returns:
+        labels (R,) int64: 0 for background, c + 1 for foreground class c (assigned IoU >= fg_iou);
+        weights (R,): score of the assigned pseudo box (background ROIs too; all 0 if no class present);
+        targets (R, 4): BoxCoder (10, 10, 5, 5) encoding of the assigned box, zeros for background.
+    """
+    num_rois = proposals.shape[0]
+    if scores.shape != (num_rois, image_labels.shape[0]):
+        raise ValueError(
+            f"scores must be (R, C) = ({num_rois}, {image_labels.shape[0]}), got {tuple(scores.shape)}"
+        )
+    top_k = max(1, int(p * num_rois))  # the reference code crashes when int(p R) == 0
+    boxes, classes, box_scores = [], [], []
+    for c in (image_labels > 0).nonzero().flatten().tolist():
+        order = torch.sort(scores[:, c], descending=True, stable=True).indices[:top_k]
+        kept = order[_suppress_candidates(proposals[order], tau, suppress)]
+        boxes.append(proposals[kept])
+        classes.append(torch.full_like(kept, c))
+        box_scores.append(scores[kept, c])
+    if not boxes:
+        return _assign_to_pseudo_boxes(
+            proposals,
+            proposals.new_zeros(0, 4),
+            proposals.new_zeros(0, dtype=torch.int64),
+            scores.new_zeros(0),
+            fg_iou,
+        )
+    return _assign_to_pseudo_boxes(
+        proposals, torch.cat(boxes), torch.cat(classes), torch.cat(box_scores), fg_iou
+    )
+
+
+@torch.no_grad()
+def oicr_pseudo_labels(
+    proposals: Tensor, scores: Tensor, image_labels: Tensor, *, fg_iou: float = 0.5
+) -> tuple[Tensor, Tensor, Tensor]:
+    """OICR pseudo ground truth: the single top-scoring proposal per present class (the top-1 special
+    case of ``mist_pseudo_labels``). Same arguments and returns."""
+    # p = 0 makes max(1, int(p R)) = 1: one candidate per class, nothing left to suppress.
+    return mist_pseudo_labels(proposals, scores, image_labels, p=0.0, tau=1.0, fg_iou=fg_iou)
+
+
+def refinement_losses(
+    logits: Tensor,
+    deltas: Tensor,
+    labels: Tensor,
+    weights: Tensor,
+    targets: Tensor,
+    roi_normalizer: Tensor,
+) -> tuple[Tensor, Tensor]:
+    """Weighted classification and box losses of one student over a batch of images.
+
+    logits (R, C+1), deltas (R, 4 (C+1)); labels, weights, targets as from the pseudo-labellers,
+    concatenated over images; roi_normalizer (R,) = 1 / (R_i * B) for an ROI of image i, so that each
+    loss is a mean over the ROIs of each image, then a mean over images.
+
+    cls = sum_r w_r CE(logits_r, label_r) n_r;
+    box = sum over foreground r of w_r smoothL1_beta1(deltas_r[label_r], target_r) n_r (summed over x,y,w,h).
+    """
+    ce = F.cross_entropy(logits, labels, reduction="none")
+    cls_loss = (weights * ce * roi_normalizer).sum()
+    foreground = (labels > 0).nonzero().squeeze(1)
+    fg_labels = labels[foreground]
+    fg_deltas = deltas[foreground].view(len(foreground), -1, 4)
+    fg_deltas = fg_deltas[torch.arange(len(foreground), device=deltas.device), fg_labels]
+    smooth_l1 = F.smooth_l1_loss(
+        fg_deltas, targets[foreground].to(fg_deltas.dtype), beta=1.0, reduction="none"
+    ).sum(dim=1)
+    box_loss = (weights[foreground] * smooth_l1 * roi_normalizer[foreground]).sum()
+    return cls_loss, box_loss
