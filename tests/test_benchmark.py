@@ -1,0 +1,58 @@
+"""tools/benchmark_rois.py end to end on CPU, and the pure helpers behind it."""
+
+from __future__ import annotations
+
+import csv
+import importlib.util
+from pathlib import Path
+
+import pytest
+
+from wsod.benchmark import find_max_rois, linear_fit
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _load_tool():
+    spec = importlib.util.spec_from_file_location("benchmark_rois", ROOT / "tools" / "benchmark_rois.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_tool_writes_csv_markdown_and_png(tmp_path, capsys):
+    out = tmp_path / "bench"
+    _load_tool().main(
+        ["--model", "r18_c4", "--rois", "8,16", "--image-size", "96,128", "--strategies", "plain,fused",
+         "--chunk", "4", "--steps", "1", "--warmup", "0", "--out", str(out)]
+    )  # fmt: skip
+    with open(out / "results.csv") as handle:
+        rows = list(csv.DictReader(handle))
+    assert {"strategy", "chunk", "rois", "peak_mb", "step_ms", "device", "model", "image_size"} <= set(
+        rows[0]
+    )
+    assert sorted((r["strategy"], int(r["rois"])) for r in rows) == [
+        ("fused", 8), ("fused", 16), ("plain", 8), ("plain", 16)
+    ]  # fmt: skip
+    assert all(r["status"] == "ok" and float(r["step_ms"]) > 0 and r["model"] == "r18_c4" for r in rows)
+    assert (out / "memory_time.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert "| fused (chunk 4) |" in (out / "results.md").read_text()
+    assert "MB/ROI" in capsys.readouterr().out
+
+
+def test_linear_fit_recovers_a_line():
+    slope, intercept = linear_fit([100, 200, 400], [50 + 0.5 * 100, 50 + 0.5 * 200, 50 + 0.5 * 400])
+    assert slope == pytest.approx(0.5) and intercept == pytest.approx(50)
+
+
+@pytest.mark.parametrize("limit,start", [(1000, 64), (1000, 4096), (37, 1), (0, 10)])
+def test_find_max_rois_brackets_then_bisects(limit, start):
+    probes = []
+
+    def fits(n):
+        probes.append(n)
+        return n <= limit
+
+    found = find_max_rois(fits, start)
+    assert limit - max(1, limit // 64) <= found <= limit
+    assert len(probes) < 30

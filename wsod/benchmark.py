@@ -1,0 +1,399 @@
+"""How many ROIs fit: peak memory and step time of one detector training step versus ROI count.
+
+One measurement is one full training step of the detector with its losses (forward, backward, SGD
+step) on a synthetic image with random proposals and labels, for one back-propagation strategy:
+
+* ``plain``: plain autograd through ROI pooling and res5;
+* ``checkpoint``: ``torch.utils.checkpoint`` around res5 (recomputes all ROIs at once in backward);
+* ``paper``: sequential backprop around res5 only, the pooled (R, C4, 14, 14) tensor kept (the paper);
+* ``fused``: wsod's sequential backprop with pooling and res5 recomputed together.
+
+Peak memory: on CUDA ``torch.cuda.max_memory_allocated`` (reset before each measurement) minus the
+memory allocated after the model and the batch exist; on CPU the peak resident set size of a fresh
+process per measurement minus its peak after model and batch construction (see ``measure``). Step time:
+the median over ``steps`` steps after ``warmup`` steps.
+"""
+
+from __future__ import annotations
+
+import csv
+import math
+import multiprocessing
+import os
+import resource
+import statistics
+import time
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import asdict, dataclass, fields
+from pathlib import Path
+
+import torch
+from torch import nn
+from torch.utils.checkpoint import checkpoint
+
+from wsod.modeling.detector import WeaklySupervisedDetector, build_detector
+
+__all__ = [
+    "STRATEGIES",
+    "MODELS",
+    "Measurement",
+    "build_benchmark_model",
+    "measure",
+    "linear_fit",
+    "find_max_rois",
+    "write_csv",
+    "write_markdown",
+    "plot",
+]
+
+STRATEGIES = ("plain", "checkpoint", "paper", "fused")
+MODELS = {"r18_c4": "resnet18", "r50_c4": "resnet50", "r101_c4": "resnet101"}
+NUM_CLASSES = 20
+
+
+@dataclass
+class Measurement:
+    """One row of results.csv. ``peak_mb`` and ``step_ms`` are NaN when the step ran out of memory;
+    ``baseline_mb`` is what model and batch took before the step (not included in ``peak_mb``)."""
+
+    strategy: str
+    chunk: int | None
+    rois: int
+    peak_mb: float
+    step_ms: float
+    device: str
+    model: str
+    image_size: str
+    dtype: str
+    baseline_mb: float
+    status: str = "ok"
+
+
+class _CheckpointedNeck(nn.Module):
+    """``torch.utils.checkpoint`` around a module: activations recomputed for all ROIs at once."""
+
+    def __init__(self, module: nn.Module) -> None:
+        super().__init__()
+        self.module = module
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return checkpoint(self.module, x, use_reentrant=False)
+
+
+def build_benchmark_model(model: str, strategy: str, chunk: int | None) -> WeaklySupervisedDetector:
+    """The detector for one strategy: ``model`` in MODELS, random weights, 20 classes."""
+    if model not in MODELS:
+        raise ValueError(f"unknown model '{model}': expected one of {sorted(MODELS)}")
+    if strategy not in STRATEGIES:
+        raise ValueError(f"unknown strategy '{strategy}': expected one of {STRATEGIES}")
+    sequential = strategy in ("paper", "fused")
+    detector = build_detector(
+        MODELS[model],
+        num_classes=NUM_CLASSES,
+        chunk_size=chunk if sequential else None,
+        fuse_pooling=strategy != "paper",
+    )
+    if strategy == "checkpoint":
+        neck_holder = detector.roi_head.body.module
+        neck_holder.neck = _CheckpointedNeck(neck_holder.neck)
+    return detector
+
+
+def synthetic_batch(
+    image_size: tuple[int, int], rois: int, device: torch.device, seed: int = 0
+) -> dict[str, object]:
+    """One image (1, 3, H, W), ``rois`` random boxes of 16 px or more, two positive classes."""
+    g = torch.Generator().manual_seed(seed)
+    height, width = image_size
+    xy = torch.rand(rois, 2, generator=g) * torch.tensor([width - 16.0, height - 16.0])
+    max_wh = torch.tensor([width, height]) - xy
+    wh = 16 + torch.rand(rois, 2, generator=g) * (max_wh - 16)
+    labels = torch.zeros(1, NUM_CLASSES)
+    labels[0, [3, 11]] = 1
+    return {
+        "images": torch.randn(1, 3, height, width, generator=g).to(device),
+        "proposals": [torch.cat([xy, xy + wh], dim=1).to(device)],
+        "image_labels": labels.to(device),
+    }
+
+
+def _training_step(model: nn.Module, optimizer: torch.optim.Optimizer, batch: dict, amp: bool) -> None:
+    device_type = batch["images"].device.type
+    with torch.autocast(device_type, dtype=torch.bfloat16, enabled=amp):
+        losses = model(**batch)
+    optimizer.zero_grad(set_to_none=True)
+    sum(losses.values()).backward()
+    optimizer.step()
+
+
+def _synchronize(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _peak_rss_mb() -> float:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # Linux reports KiB
+
+
+def _run_measurement(
+    model_name: str,
+    strategy: str,
+    chunk: int | None,
+    rois: int,
+    image_size: tuple[int, int],
+    device_name: str,
+    steps: int,
+    warmup: int,
+    amp: bool,
+    threads: int | None,
+) -> tuple[float, float, float, str]:
+    """Build, step, measure in this process: (peak MB above baseline, median step ms, baseline MB,
+    status)."""
+    if threads:
+        torch.set_num_threads(threads)
+    device = torch.device(device_name)
+    torch.manual_seed(0)
+    model = build_benchmark_model(model_name, strategy, chunk).to(device).train()
+    optimizer = torch.optim.SGD(model.parameters(), lr=1e-4, momentum=0.9)
+    batch = synthetic_batch(image_size, rois, device)
+    if device.type == "cuda":
+        _synchronize(device)
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats(device)
+        baseline = torch.cuda.memory_allocated(device) / 2**20
+    else:
+        baseline = _peak_rss_mb()
+    times = []
+    try:
+        for step in range(warmup + steps):
+            _synchronize(device)
+            start = time.perf_counter()
+            _training_step(model, optimizer, batch, amp)
+            _synchronize(device)
+            if step >= warmup:
+                times.append(time.perf_counter() - start)
+    except torch.OutOfMemoryError:
+        del model, optimizer, batch
+        torch.cuda.empty_cache()
+        return math.nan, math.nan, baseline, "oom"
+    if device.type == "cuda":
+        peak = torch.cuda.max_memory_allocated(device) / 2**20 - baseline
+        del model, optimizer, batch
+        torch.cuda.empty_cache()
+    else:
+        peak = _peak_rss_mb() - baseline
+    return peak, 1000 * statistics.median(times), baseline, "ok"
+
+
+def _child(queue: multiprocessing.Queue, args: tuple) -> None:
+    try:
+        queue.put(_run_measurement(*args))
+    except BaseException as error:  # report, never hang the parent
+        queue.put(error)
+
+
+def _in_fresh_process(args: tuple, env: dict[str, str]) -> tuple[float, float, float, str]:
+    """Run ``_run_measurement(*args)`` in a new interpreter with extra environment variables."""
+    context = multiprocessing.get_context("spawn")
+    queue = context.Queue()
+    process = context.Process(target=_child, args=(queue, args))
+    saved = {name: os.environ.get(name) for name in env}
+    os.environ.update(env)  # a spawned child copies the environment when it starts
+    try:
+        process.start()
+    finally:
+        for name, value in saved.items():
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value
+    result = queue.get()
+    process.join()
+    if isinstance(result, BaseException):
+        raise result
+    return result
+
+
+def measure(
+    model: str,
+    strategy: str,
+    chunk: int | None,
+    rois: int,
+    *,
+    image_size: tuple[int, int] = (600, 1000),
+    device: str = "cpu",
+    steps: int = 3,
+    warmup: int = 1,
+    amp: bool = False,
+    threads: int | None = None,
+    timed: bool = True,
+) -> Measurement:
+    """One measurement (``timed=False``: memory only, one step).
+
+    On CPU, two fresh processes: one measures peak RSS with glibc's mmap threshold pinned to 64 KiB, so
+    that every freed tensor goes back to the system and RSS follows live tensors rather than allocator
+    fragmentation (with the default dynamic threshold, freed chunks stay resident and the per-ROI slope
+    of the fused strategy reads 10x too high); the other times the steps with the default allocator,
+    since an mmap per tensor would slow them down.
+    """
+    args = (model, strategy, chunk, rois, image_size, device, steps, warmup, amp, threads)
+    memory_args = (*args[:6], 1, 0, amp, threads)
+    if torch.device(device).type == "cpu":
+        peak, _, baseline, status = _in_fresh_process(memory_args, {"MALLOC_MMAP_THRESHOLD_": "65536"})
+        step_ms = _in_fresh_process(args, {})[1] if timed else math.nan
+        result = (peak, step_ms, baseline, status)
+    else:
+        result = _run_measurement(*(args if timed else memory_args))
+    peak, step_ms, baseline, status = result
+    return Measurement(
+        strategy=strategy,
+        chunk=chunk if strategy in ("paper", "fused") else None,
+        rois=rois,
+        peak_mb=round(peak, 1),
+        step_ms=round(step_ms, 1),
+        device=_device_label(device),
+        model=model,
+        image_size=f"{image_size[0]}x{image_size[1]}",
+        dtype="bf16" if amp else "fp32",
+        baseline_mb=round(baseline, 1),
+        status=status,
+    )
+
+
+def _device_label(device: str) -> str:
+    if torch.device(device).type == "cuda":
+        return torch.cuda.get_device_name(torch.device(device))
+    return f"cpu ({torch.get_num_threads()} threads)"
+
+
+def linear_fit(rois: Sequence[float], peaks: Sequence[float]) -> tuple[float, float]:
+    """Least-squares line peak = slope * rois + intercept (MB per ROI, MB)."""
+    if len(rois) < 2:
+        raise ValueError("a linear fit needs at least two ROI counts")
+    mean_x, mean_y = statistics.fmean(rois), statistics.fmean(peaks)
+    var = sum((x - mean_x) ** 2 for x in rois)
+    slope = sum((x - mean_x) * (y - mean_y) for x, y in zip(rois, peaks, strict=True)) / var
+    return slope, mean_y - slope * mean_x
+
+
+def find_max_rois(fits: Callable[[int], bool], start: int, limit: int = 1 << 20) -> int:
+    """Largest ROI count n with ``fits(n)``: doubling from ``start`` to bracket, then bisection.
+
+    ``fits`` runs a real step (CUDA: catches out-of-memory) and compares its peak with the budget.
+    Returns 0 when even one ROI does not fit.
+    """
+    low, high = 0, max(1, start)
+    while fits(high):
+        low, high = high, 2 * high
+        if high > limit:
+            return low
+    while high - low > max(1, low // 64):  # 1.5 % resolution is plenty for a capacity figure
+        middle = (low + high) // 2
+        if fits(middle):
+            low = middle
+        else:
+            high = middle
+    return low
+
+
+def write_csv(measurements: Iterable[Measurement], path: Path) -> None:
+    with open(path, "w", newline="") as handle:
+        writer = csv.DictWriter(handle, fieldnames=[f.name for f in fields(Measurement)])
+        writer.writeheader()
+        for m in measurements:
+            writer.writerow(asdict(m))
+
+
+def _label(m: Measurement) -> str:
+    chunk = f" (chunk {m.chunk})" if m.chunk else ""
+    return f"{m.strategy}{chunk}" + (" bf16" if m.dtype == "bf16" else "")
+
+
+def format_table(measurements: Sequence[Measurement]) -> str:
+    """Plain-text table: one row per (strategy, chunk, dtype), one column pair per ROI count."""
+    rois = sorted({m.rois for m in measurements})
+    rows: dict[str, dict[int, Measurement]] = {}
+    for m in measurements:
+        rows.setdefault(_label(m), {})[m.rois] = m
+    header = f"{'strategy':<24}" + "".join(f"{f'{r} ROIs MB':>14}{'ms':>9}" for r in rois)
+    lines = [header, "-" * len(header)]
+    for label, by_rois in rows.items():
+        cells = []
+        for r in rois:
+            m = by_rois.get(r)
+            if m is None:
+                cells.append(f"{'':>14}{'':>9}")
+            elif m.status != "ok":
+                cells.append(f"{m.status.upper():>14}{'':>9}")
+            else:
+                cells.append(f"{m.peak_mb:>14.1f}{m.step_ms:>9.0f}")
+        lines.append(f"{label:<24}" + "".join(cells))
+    return "\n".join(lines)
+
+
+def slopes(measurements: Sequence[Measurement]) -> dict[str, tuple[float, float]]:
+    """Per strategy label: (MB per extra ROI, intercept MB) from a linear fit of the ok rows."""
+    grouped: dict[str, list[Measurement]] = {}
+    for m in measurements:
+        if m.status == "ok":
+            grouped.setdefault(_label(m), []).append(m)
+    return {
+        label: linear_fit([m.rois for m in ms], [m.peak_mb for m in ms])
+        for label, ms in grouped.items()
+        if len({m.rois for m in ms}) >= 2
+    }
+
+
+def write_markdown(measurements: Sequence[Measurement], path: Path, extra: str = "") -> None:
+    """Markdown table (peak MB / step ms per ROI count) and the per-ROI slope of each strategy."""
+    rois = sorted({m.rois for m in measurements})
+    rows: dict[str, dict[int, Measurement]] = {}
+    for m in measurements:
+        rows.setdefault(_label(m), {})[m.rois] = m
+    fit = slopes(measurements)
+    lines = [
+        "| strategy | " + " | ".join(f"{r} ROIs: MB / ms" for r in rois) + " | MB per ROI |",
+        "|---" * (len(rois) + 2) + "|",
+    ]
+    for label, by_rois in rows.items():
+        cells = []
+        for r in rois:
+            m = by_rois.get(r)
+            if m is None:
+                cells.append("")
+            elif m.status != "ok":
+                cells.append(m.status.upper())
+            else:
+                cells.append(f"{m.peak_mb:.0f} / {m.step_ms:.0f}")
+        slope = f"{fit[label][0]:.3f}" if label in fit else ""
+        lines.append(f"| {label} | " + " | ".join(cells) + f" | {slope} |")
+    Path(path).write_text("\n".join(lines) + "\n" + (f"\n{extra}\n" if extra else ""))
+
+
+def plot(measurements: Sequence[Measurement], path: Path) -> None:
+    """Two panels, a line per strategy: peak memory vs ROIs and step time vs ROIs."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows: dict[str, list[Measurement]] = {}
+    for m in measurements:
+        if m.status == "ok":
+            rows.setdefault(_label(m), []).append(m)
+    figure, (memory_axis, time_axis) = plt.subplots(1, 2, figsize=(11, 4.2))
+    for label, ms in rows.items():
+        ms = sorted(ms, key=lambda m: m.rois)
+        x = [m.rois for m in ms]
+        memory_axis.plot(x, [m.peak_mb for m in ms], marker="o", label=label)
+        time_axis.plot(x, [m.step_ms for m in ms], marker="o", label=label)
+    first = measurements[0]
+    title = f"{first.model}, {first.image_size}, {first.device}"
+    memory_axis.set(xlabel="ROIs per image", ylabel="peak memory above baseline (MB)", title=title)
+    time_axis.set(xlabel="ROIs per image", ylabel="training step (ms)", title=title)
+    for axis in (memory_axis, time_axis):
+        axis.grid(alpha=0.3)
+    memory_axis.legend(fontsize=8)
+    figure.tight_layout()
+    figure.savefig(path, dpi=120)
+    plt.close(figure)
