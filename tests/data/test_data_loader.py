@@ -1,0 +1,140 @@
+"""Batches: padding, the detector's keyword arguments, aspect-ratio grouping, distributed sampling."""
+
+from __future__ import annotations
+
+import inspect
+import itertools
+
+import torch
+from torch.utils.data.distributed import DistributedSampler
+
+from wsod.data.benchmark import measure_loader_throughput
+from wsod.data.loader import (
+    MODEL_INPUT_KEYS,
+    GroupedBatchSampler,
+    aspect_ratio_groups,
+    build_test_loader,
+    build_train_loader,
+    collate,
+    infinite_batches,
+    model_inputs,
+)
+from wsod.data.transforms import test_transform, train_transform
+from wsod.modeling import WeaklySupervisedDetector, build_detector
+
+
+def _item(height, width, image_id, num_proposals=3, with_gt=True):
+    item = {
+        "image": torch.full((3, height, width), 1.0),
+        "image_id": image_id,
+        "labels": torch.tensor([0.0, 1.0]),
+        "proposals": torch.tensor([[0.0, 0.0, 4.0, 4.0]]).repeat(num_proposals, 1),
+        "image_size": (height, width),
+        "original_size": (height * 2, width * 2),
+        "flipped": False,
+    }
+    if with_gt:
+        item.update(
+            gt_boxes=torch.tensor([[1.0, 2.0, 3.0, 4.0]]),
+            gt_labels=torch.tensor([1]),
+            gt_difficult=torch.tensor([False]),
+        )
+    return item
+
+
+def test_collate_pads_to_the_size_divisor_and_keeps_per_image_fields():
+    batch = collate([_item(40, 70, "a", 3), _item(65, 20, "b", 5, with_gt=False)])
+    assert batch["images"].shape == (2, 3, 96, 96)
+    assert batch["images"][0, :, :40, :70].eq(1).all() and batch["images"][0, :, 40:].eq(0).all()
+    assert batch["images"][0, :, :, 70:].eq(0).all() and batch["images"][1, :, :65, :20].eq(1).all()
+    assert [p.shape[0] for p in batch["proposals"]] == [3, 5]
+    assert batch["image_labels"].shape == (2, 2) and batch["image_labels"].dtype == torch.float32
+    assert batch["image_sizes"] == [(40, 70), (65, 20)] and batch["original_sizes"] == [(80, 140), (130, 40)]
+    assert batch["image_ids"] == ["a", "b"] and batch["flipped"] == [False, False]
+    assert batch["annotations"][1] is None
+    torch.testing.assert_close(batch["annotations"][0]["boxes"], torch.tensor([[1.0, 2.0, 3.0, 4.0]]))
+    assert collate([_item(64, 32, "c")])["images"].shape == (1, 3, 64, 32)
+
+
+def test_model_inputs_are_exactly_the_detector_keyword_arguments():
+    parameters = inspect.signature(WeaklySupervisedDetector.forward).parameters
+    assert set(MODEL_INPUT_KEYS) == set(parameters) - {"self"}
+    batch = collate([_item(40, 70, "a")])
+    inputs = model_inputs(batch, device="cpu")
+    assert set(inputs) == set(MODEL_INPUT_KEYS) and inputs["images"] is not None
+
+
+def test_grouped_batches_share_an_aspect_ratio_and_cover_every_index():
+    sizes = [(10, 20), (20, 10), (10, 10), (30, 10), (5, 50), (40, 10), (10, 11)]
+    groups = aspect_ratio_groups(sizes)
+    assert groups == [0, 1, 0, 1, 0, 1, 0]
+    sampler = GroupedBatchSampler(range(7), groups, batch_size=2, drop_last=False)
+    batches = list(sampler)
+    assert batches == [[0, 2], [1, 3], [4, 6], [5]] and len(sampler) == 4
+    assert all(len({groups[i] for i in b}) == 1 for b in batches)
+    dropped = GroupedBatchSampler(range(7), groups, batch_size=2, drop_last=True)
+    assert list(dropped) == [[0, 2], [1, 3], [4, 6]] and len(dropped) == 3
+
+
+def test_distributed_ranks_see_disjoint_shares(tiny_toy):
+    dataset = tiny_toy.dataset("trainval", transform=train_transform((64,), 128))
+    seen = []
+    for rank in range(2):
+        loader = build_train_loader(dataset, 2, num_workers=0, rank=rank, world_size=2, seed=3)
+        assert isinstance(loader.batch_sampler.sampler, DistributedSampler)
+        seen.append([i for batch in loader.batch_sampler for i in batch])
+    assert not set(seen[0]) & set(seen[1]) and len(seen[0]) == len(seen[1]) == 4  # 5 each, 1 left over
+    test_shares = [
+        [
+            i
+            for b in build_test_loader(dataset, 3, num_workers=0, rank=r, world_size=2).batch_sampler
+            for i in b
+        ]
+        for r in range(2)
+    ]
+    assert sorted(test_shares[0] + test_shares[1]) == list(range(len(dataset)))
+
+
+def test_epochs_are_reshuffled_reproducible_and_resumable(tiny_toy):
+    dataset = tiny_toy.dataset("trainval", transform=train_transform((64,), 128))
+
+    def stream(start=0, count=6):
+        loader = build_train_loader(dataset, 3, num_workers=0, seed=1)  # 3 batches of 3 per epoch of 10
+        return [b["image_ids"] for b in itertools.islice(infinite_batches(loader, start), count)]
+
+    full = stream(count=8)
+    assert full[:6] == stream() and full[:3] != full[3:6]
+    # Resuming after 4 batches (mid second epoch) continues the very same stream.
+    assert stream(start=4, count=4) == full[4:]
+    assert stream(start=6, count=2) == full[6:]
+
+
+def test_loader_batches_run_through_the_detector(tiny_toy):
+    dataset = tiny_toy.dataset("test", transform=test_transform(96, 200))
+    batch = next(iter(build_test_loader(dataset, batch_size=2, num_workers=0)))
+    assert batch["images"].shape == (2, 3, 96, 96)
+    assert batch["image_labels"].shape == (2, len(tiny_toy.classes))
+    torch.manual_seed(0)
+    model = build_detector("resnet18", num_classes=len(tiny_toy.classes), chunk_size=None, width=0.25)
+    losses = model.train()(**model_inputs(batch))
+    assert torch.isfinite(sum(losses.values()))
+    detections = model.eval()(**model_inputs(batch))
+    for result, (height, width) in zip(detections, batch["original_sizes"], strict=True):
+        assert (height, width) == (160, 160)
+        assert (result["boxes"][:, 2] <= width).all() and (result["boxes"][:, 3] <= height).all()
+
+
+def test_two_workers_deliver_the_same_batches_as_none(tiny_toy):
+    dataset = tiny_toy.dataset("trainval", transform=test_transform(64, 128))
+    loaders = [build_train_loader(dataset, 2, num_workers=n, seed=5) for n in (0, 2)]
+    batches = [list(loader) for loader in loaders]
+    assert [b["image_ids"] for b in batches[0]] == [b["image_ids"] for b in batches[1]]
+    torch.testing.assert_close(batches[0][-1]["images"], batches[1][-1]["images"])
+    torch.testing.assert_close(batches[0][-1]["proposals"], batches[1][-1]["proposals"])
+
+
+def test_throughput_measurement_counts_images(tiny_toy):
+    dataset = tiny_toy.dataset("trainval", transform=test_transform(64, 128))
+    result = measure_loader_throughput(build_train_loader(dataset, 2, num_workers=0), num_batches=7)
+    assert result.images == 14 and result.batches == 7 and result.images_per_second > 0
+    assert result.proposals_per_image > 10

@@ -1,0 +1,91 @@
+"""The toy dataset: VOC layout, readable by VOCDataset, deterministic, objects as specified."""
+
+from __future__ import annotations
+
+import filecmp
+import json
+import pickle
+
+import numpy as np
+import pytest
+
+from wsod.data.proposal_recall import records_recall
+from wsod.data.toy import OBJECT_SIZE, TOY_CLASSES, ensure_toy_dataset, render_toy_image
+from wsod.data.voc import load_voc_records
+
+
+def test_layout_and_files_read_back(tiny_toy):
+    base = tiny_toy.devkit / f"VOC{tiny_toy.year}"
+    main = base / "ImageSets" / "Main"
+    trainval = (main / "trainval.txt").read_text().split()
+    test = (main / "test.txt").read_text().split()
+    assert len(trainval) == 10 and len(test) == 6 and not set(trainval) & set(test)
+    assert (
+        sorted((main / "train.txt").read_text().split() + (main / "val.txt").read_text().split()) == trainval
+    )
+    assert all((base / "JPEGImages" / f"{i}.jpg").is_file() for i in trainval + test)
+    records = load_voc_records(tiny_toy.devkit, tiny_toy.year, "test", TOY_CLASSES)
+    for record in records:
+        assert 1 <= len(record.gt_boxes) <= 3 and (record.height, record.width) == (160, 160)
+        sides = np.concatenate([record.gt_boxes[:, 2:] - record.gt_boxes[:, :2] + 1])
+        assert sides.min() >= OBJECT_SIZE[0] - 2 and sides.max() <= OBJECT_SIZE[1] + 2
+        np.testing.assert_array_equal(np.flatnonzero(record.labels), np.unique(record.gt_labels))
+    lines = (main / f"{TOY_CLASSES[records[0].gt_labels[0]]}_test.txt").read_text().splitlines()
+    assert lines[0].split() == [records[0].image_id, "1"]
+    item = tiny_toy.dataset("test")[0]
+    assert item["image"].shape == (3, 160, 160) and len(item["proposals"]) >= 20
+
+
+def test_boxes_are_tight_around_the_drawn_objects():
+    image, boxes, labels = render_toy_image(seed=0, number=3)
+    reference = {0: (220, 35, 35), 1: (35, 170, 55), 2: (40, 75, 225), 3: (235, 205, 35), 4: (205, 50, 205)}
+    for (x1, y1, x2, y2), label in zip(boxes.astype(int), labels, strict=True):
+        inside = image[y1 : y2 + 1, x1 : x2 + 1].reshape(-1, 3).astype(float)
+        close = np.abs(inside - reference[int(label)]).max(axis=1) < 45
+        assert close.mean() > 0.4  # the shape covers a good part of its box
+        # Every edge row / column of the box touches the object.
+        for edge in (
+            image[y1, x1 : x2 + 1],
+            image[y2, x1 : x2 + 1],
+            image[y1 : y2 + 1, x1],
+            image[y1 : y2 + 1, x2],
+        ):
+            assert (np.abs(edge.astype(float) - reference[int(label)]).max(axis=1) < 90).any()
+
+
+def test_generation_is_deterministic(tiny_toy, tmp_path):
+    again = ensure_toy_dataset(tmp_path / "again", num_train=10, num_test=6, workers=1)
+    for folder in ("JPEGImages", "Annotations", "ImageSets/Main"):
+        a, b = tiny_toy.devkit / "VOC2007" / folder, again.devkit / "VOC2007" / folder
+        names = sorted(p.name for p in a.iterdir())
+        assert names == sorted(p.name for p in b.iterdir())
+        _, mismatch, errors = filecmp.cmpfiles(a, b, names, shallow=False)
+        assert not mismatch and not errors
+    for split in ("trainval", "test"):
+        first, second = (pickle.loads(t.proposal_files[split].read_bytes()) for t in (tiny_toy, again))
+        assert first["indexes"] == second["indexes"]
+        for x, y in zip(first["boxes"], second["boxes"], strict=True):
+            np.testing.assert_array_equal(x, y)
+
+
+def test_existing_dataset_is_reused_and_other_settings_refused(tiny_toy):
+    assert ensure_toy_dataset(tiny_toy.root, num_train=10, num_test=6) == tiny_toy
+    with pytest.raises(ValueError, match="holds a toy dataset made with"):
+        ensure_toy_dataset(tiny_toy.root, num_train=11, num_test=6)
+    assert json.loads((tiny_toy.root / "toy.json").read_text())["num_train"] == 10
+
+
+def test_selective_search_recalls_the_toy_objects(tiny_toy):
+    records = load_voc_records(tiny_toy.devkit, tiny_toy.year, "trainval", TOY_CLASSES)
+    report = records_recall(tiny_toy.dataset("trainval").proposals, records)
+    assert report.at(0.5) >= 0.9
+
+
+@pytest.mark.slow
+def test_full_toy_dataset(tmp_path):
+    toy = ensure_toy_dataset(tmp_path / "toy")
+    assert len(toy.dataset("trainval")) == 600 and len(toy.dataset("test")) == 200
+    records = load_voc_records(toy.devkit, toy.year, "test", TOY_CLASSES)
+    report = records_recall(toy.dataset("test").proposals, records)
+    print(f"toy test recall@0.5 {report.at(0.5):.4f} recall@0.7 {report.at(0.7):.4f}")
+    assert report.at(0.5) >= 0.9

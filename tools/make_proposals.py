@@ -1,0 +1,132 @@
+"""Make Selective Search proposals for a dataset, report their recall, or convert proposal files.
+
+    python tools/make_proposals.py toy --split test --output outputs/proposals/toy_test.pkl
+    python tools/make_proposals.py voc --devkit data/VOCdevkit --year 2007 --image-set trainval \\
+        --output data/proposals/ss_voc_2007_trainval.pkl --workers 16
+    python tools/make_proposals.py coco --annotations data/coco/annotations/instances_val2017.json \\
+        --images data/coco/val2017 --output data/proposals/ss_coco_val2017.pkl
+    python tools/make_proposals.py voc ... --proposals data/proposals/given.pkl    # recall of a file only
+    python tools/make_proposals.py convert SelectiveSearchVOC2007trainval.mat voc_2007_trainval.pkl
+
+Generation is resumable: rerun the same command after an interruption. Wherever the dataset has
+ground-truth boxes, recall at IoU 0.5 and 0.7 versus the number of proposals is printed and plotted
+(``--recall-plot``, default next to the output file).
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+from pathlib import Path
+
+from wsod.data.coco import load_coco_records
+from wsod.data.proposal_recall import format_recall_table, plot_recall, records_recall
+from wsod.data.proposals import convert_proposals, load_proposals
+from wsod.data.selective_search import MODES, generate_proposals
+from wsod.data.toy import ensure_toy_dataset
+from wsod.data.voc import VOC_CLASSES, load_voc_records
+
+
+def _add_generation_options(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--output", type=Path, help="proposal pickle to write (required unless --proposals)")
+    parser.add_argument("--proposals", type=Path, help="report the recall of this file instead of generating")
+    parser.add_argument("--workers", type=int, default=2, help="worker processes (default 2)")
+    parser.add_argument("--shard-size", type=int, default=25, help="images per resumable shard")
+    parser.add_argument("--mode", choices=MODES, default="fast", help="Selective Search strategy set")
+    parser.add_argument("--top-k", type=int, default=None, help="keep at most this many boxes per image")
+    parser.add_argument("--min-size", type=float, default=2.0, help="drop boxes narrower or shorter (px)")
+    parser.add_argument(
+        "--recall-plot", type=Path, help="PNG of recall vs proposals (default: next to output)"
+    )
+    parser.add_argument("--no-progress", action="store_true", help="no progress bar")
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    commands = parser.add_subparsers(dest="command", required=True)
+    voc = commands.add_parser("voc", help="a VOCdevkit image set")
+    voc.add_argument("--devkit", type=Path, required=True)
+    voc.add_argument("--year", required=True)
+    voc.add_argument("--image-set", required=True)
+    voc.add_argument("--classes", help="comma-separated class names (default: the 20 VOC classes)")
+    coco = commands.add_parser("coco", help="a COCO-format json (instances or label-only)")
+    coco.add_argument("--annotations", type=Path, required=True)
+    coco.add_argument(
+        "--images", type=Path, required=True, help="folder the json's file names are relative to"
+    )
+    toy = commands.add_parser("toy", help="a split of the toy dataset (generated first if absent)")
+    toy.add_argument("--root", type=Path, default=Path("data/toy"))
+    toy.add_argument("--split", default="test", choices=("trainval", "train", "val", "test"))
+    for sub in (voc, coco, toy):
+        _add_generation_options(sub)
+    convert = commands.add_parser("convert", help="convert a proposal file (.pkl <-> .mat) by suffix")
+    convert.add_argument("source", type=Path)
+    convert.add_argument("destination", type=Path)
+    convert.add_argument("--mat-order", choices=("yxyx", "xyxy"), default="yxyx", help="box order in .mat")
+    convert.add_argument("--mat-zero-based", action="store_true", help=".mat boxes are 0-based")
+    return parser
+
+
+def _records(args: argparse.Namespace) -> list:
+    if args.command == "voc":
+        classes = args.classes.split(",") if args.classes else VOC_CLASSES
+        return load_voc_records(args.devkit, args.year, args.image_set, classes)
+    if args.command == "coco":
+        return load_coco_records(args.annotations, args.images)[0]
+    toy = ensure_toy_dataset(args.root, progress=not args.no_progress)
+    return load_voc_records(toy.devkit, toy.year, args.split, toy.classes)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    if args.command == "convert":
+        proposals = convert_proposals(
+            args.source, args.destination, box_order=args.mat_order, one_based=not args.mat_zero_based
+        )
+        print(
+            f"converted {len(proposals)} images ({proposals.num_boxes} boxes):"
+            f" {args.source} -> {args.destination}"
+        )
+        return 0
+    if (args.output is None) == (args.proposals is None):
+        sys.exit("give exactly one of --output (generate) and --proposals (report an existing file)")
+
+    records = _records(args)
+    if args.proposals is not None:
+        proposals, source = load_proposals(args.proposals), args.proposals
+    else:
+        proposals, stats = generate_proposals(
+            [(r.image_id, r.path) for r in records],
+            args.output,
+            workers=args.workers,
+            shard_size=args.shard_size,
+            mode=args.mode,
+            top_k=args.top_k,
+            min_size=args.min_size,
+            progress=not args.no_progress,
+        )
+        source = args.output
+        print(
+            f"{len(proposals)} images -> {args.output}:"
+            f" {proposals.num_boxes / len(proposals):.1f} boxes per image; Selective Search"
+            f" {stats.seconds_per_image:.3f} s per image per worker ({stats.images} images computed now,"
+            f" {stats.wall_seconds:.1f} s wall with {args.workers} workers)"
+        )
+    proposals.require([r.image_id for r in records])
+    report = records_recall(proposals, records, min_size=args.min_size, top_k=args.top_k)
+    if report is None:
+        print("no ground-truth boxes in this dataset: no recall report")
+        return 0
+    print(format_recall_table(report))
+    plot_path = args.recall_plot or Path(source).with_suffix(".recall.png")
+    plot_recall(report, plot_path, title=f"{Path(source).name}")
+    print(f"recall plot: {plot_path}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,44 @@
+"""Datasets (VOC, COCO, label-only json, the toy set), proposal files, transforms and batching.
+
+Conventions (written once, here and in ``box_formats``): boxes are float32 ``x1 y1 x2 y2`` pixels,
+0-based inclusive for VOC-style data and proposals; image labels are (C,) float32 multi-hot over the
+foreground classes 0..C-1; ground-truth labels index the same classes.
+"""
+
+from wsod.data.coco import CocoDataset
+from wsod.data.dataset import ImageRecord, WeakDetectionDataset
+from wsod.data.loader import build_test_loader, build_train_loader, collate, infinite_batches, model_inputs
+from wsod.data.proposals import (
+    MissingProposalsError,
+    ProposalSet,
+    convert_proposals,
+    load_proposals,
+    save_proposals,
+)
+from wsod.data.toy import TOY_CLASSES, ToyDataset, ensure_toy_dataset
+from wsod.data.transforms import DetectionTransform, test_transform, train_transform
+from wsod.data.voc import VOC_CLASSES, VOCDataset
+
+__all__ = [
+    "CocoDataset",
+    "DetectionTransform",
+    "ImageRecord",
+    "MissingProposalsError",
+    "ProposalSet",
+    "TOY_CLASSES",
+    "ToyDataset",
+    "VOCDataset",
+    "VOC_CLASSES",
+    "WeakDetectionDataset",
+    "build_test_loader",
+    "build_train_loader",
+    "collate",
+    "convert_proposals",
+    "ensure_toy_dataset",
+    "infinite_batches",
+    "load_proposals",
+    "model_inputs",
+    "save_proposals",
+    "test_transform",
+    "train_transform",
+]

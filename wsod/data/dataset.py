@@ -1,0 +1,198 @@
+"""The image-level dataset every format feeds: records (one per image) + a proposal file -> items.
+
+A format reader (``voc.py``, ``coco.py``) turns its files into ``ImageRecord``s; ``WeakDetectionDataset``
+loads the image, looks up and filters its proposals and applies the transform. Item (before transform):
+
+    image          tv_tensors.Image uint8 (3, H, W), RGB
+    image_id       the record's id (str for VOC, int for COCO)
+    labels         (C,) float32 multi-hot over foreground classes 0..C-1
+    proposals      tv_tensors.BoundingBoxes float32 (R, 4) xyxy, original pixels, R >= 1
+    original_size  (H, W) of the decoded image
+    gt_boxes (G, 4) float32, gt_labels (G,) int64, gt_difficult (G,) bool   (when the format has boxes)
+
+Ground-truth boxes are for evaluation only and stay in original pixels through every transform.
+
+Bad input, and why each is an error or a skip:
+- a listed image file that does not exist: ``FileNotFoundError`` at construction naming the first one and
+  the count (``check_files``); a missing file is a broken download, and training must not start on it.
+- an image that does not decode (corrupt or truncated): ``RuntimeError`` naming the file when the item is
+  loaded; skipping it inside a worker would silently change batch composition and epoch length.
+- an image id absent from the proposal file: ``MissingProposalsError`` at construction naming the id, the
+  count and the file.
+- an image whose proposals are all filtered away: its whole-image box stands in, with a warning and a
+  per-process counter (``num_whole_image_fallbacks``); one such image is no reason to stop a run.
+- images without any image-level label (e.g. VOC xml without objects): kept, or dropped with one logged
+  count when ``drop_unlabelled`` is set (SPEC: COCO training drops them; evaluation must keep them).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from collections.abc import Callable, Hashable, Sequence
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+from PIL import Image
+from torch.utils.data import Dataset
+from torchvision import tv_tensors
+
+from wsod.data.proposals import ProposalSet, filter_proposals, load_proposals, whole_image_box
+
+__all__ = ["ImageRecord", "WeakDetectionDataset", "load_image", "image_size_from_header"]
+
+logger = logging.getLogger(__name__)
+
+ImageId = Hashable
+Transform = Callable[[dict], dict]
+
+
+@dataclass(frozen=True)
+class ImageRecord:
+    """One image of a dataset: where it is, its size on disk, its labels and (optionally) its boxes.
+
+    ``labels`` (C,) float32 multi-hot; ``gt_boxes`` (G, 4) float32 0-based inclusive xyxy (COCO: xywh ->
+    xyxy); ``gt_labels`` (G,) int64 in 0..C-1; ``gt_difficult`` (G,) bool. The three ``gt_`` fields are
+    None for label-only data.
+    """
+
+    image_id: ImageId
+    path: str
+    height: int
+    width: int
+    labels: np.ndarray
+    gt_boxes: np.ndarray | None = None
+    gt_labels: np.ndarray | None = None
+    gt_difficult: np.ndarray | None = None
+
+    @property
+    def has_boxes(self) -> bool:
+        return self.gt_boxes is not None
+
+
+def load_image(path: str | os.PathLike) -> tv_tensors.Image:
+    """Decode an image file to uint8 RGB (3, H, W); errors name the file.
+
+    Pillow decodes (torchvision 0.29 deprecates its own decoders). EXIF orientation is not applied:
+    VOC and COCO annotate the stored pixel grid.
+    """
+    if not os.path.isfile(path):
+        raise FileNotFoundError(f"image file not found: {path}")
+    try:
+        with Image.open(path) as image:
+            pixels = np.array(image.convert("RGB"))  # a writable copy: torch refuses read-only arrays
+    except (OSError, ValueError, SyntaxError) as e:  # PIL reports bad data as any of these
+        raise RuntimeError(f"cannot decode image {path}: {e}") from e
+    return tv_tensors.Image(torch.from_numpy(pixels).permute(2, 0, 1))
+
+
+def image_size_from_header(path: str | os.PathLike) -> tuple[int, int]:
+    """(H, W) of an image file, read from its header only (for formats that do not store sizes)."""
+    try:
+        with Image.open(path) as image:
+            width, height = image.size
+    except OSError as e:
+        raise RuntimeError(f"cannot read the size of image {path}: {e}") from e
+    return height, width
+
+
+class WeakDetectionDataset(Dataset):
+    """Images with image-level labels and proposals (see the module docstring for items and errors).
+
+    Args:
+        records: one ``ImageRecord`` per image.
+        classes: the C class names, index = class index.
+        proposals: a ``ProposalSet`` or the path of a proposal file; must hold every record's id.
+        transform: item dict -> item dict, e.g. ``wsod.data.transforms.train_transform()``.
+        min_proposal_size: proposals narrower or shorter than this (pixels) are dropped.
+        max_proposals: keep at most this many proposals per image (file order); None keeps all.
+        drop_unlabelled: drop images without any positive image-level label (training).
+        check_files: check at construction that every image file exists.
+    """
+
+    def __init__(
+        self,
+        records: Sequence[ImageRecord],
+        classes: Sequence[str],
+        proposals: ProposalSet | str | os.PathLike,
+        *,
+        transform: Transform | None = None,
+        min_proposal_size: float = 2.0,
+        max_proposals: int | None = None,
+        drop_unlabelled: bool = False,
+        check_files: bool = True,
+    ) -> None:
+        self.classes = tuple(classes)
+        records = list(records)
+        if drop_unlabelled:
+            kept = [r for r in records if r.labels.any()]
+            if len(kept) < len(records):
+                logger.warning(
+                    "dropped %d of %d images that have no image-level label",
+                    len(records) - len(kept),
+                    len(records),
+                )
+            records = kept
+        if not records:
+            raise ValueError("the dataset has no images")
+        if check_files:
+            missing = [r.path for r in records if not os.path.isfile(r.path)]
+            if missing:
+                raise FileNotFoundError(
+                    f"{len(missing)} of {len(records)} image files are missing; the first is {missing[0]}"
+                )
+        self.proposals = proposals if isinstance(proposals, ProposalSet) else load_proposals(proposals)
+        self.proposals.require([r.image_id for r in records])
+        self.records = records
+        self.transform = transform
+        self.min_proposal_size = min_proposal_size
+        self.max_proposals = max_proposals
+        self.num_whole_image_fallbacks = 0  # per process: each data-loader worker counts its own
+
+    @property
+    def num_classes(self) -> int:
+        return len(self.classes)
+
+    @property
+    def image_ids(self) -> list[ImageId]:
+        return [r.image_id for r in self.records]
+
+    @property
+    def image_sizes(self) -> list[tuple[int, int]]:
+        """(H, W) of every image as its annotation states it (for aspect-ratio grouping)."""
+        return [(r.height, r.width) for r in self.records]
+
+    def __len__(self) -> int:
+        return len(self.records)
+
+    def __getitem__(self, index: int) -> dict:
+        record = self.records[index]
+        image = load_image(record.path)
+        size = (image.shape[-2], image.shape[-1])
+        boxes = filter_proposals(
+            self.proposals[record.image_id], size, min_size=self.min_proposal_size, top_k=self.max_proposals
+        )
+        if len(boxes) == 0:
+            # The detector needs at least one ROI; the whole image is the one box that is always valid.
+            self.num_whole_image_fallbacks += 1
+            logger.warning(
+                "image %r: no proposal left after filtering %s; using the whole-image box (%d such images"
+                " so far in this process)",
+                record.image_id,
+                self.proposals.source,
+                self.num_whole_image_fallbacks,
+            )
+            boxes = whole_image_box(size)
+        item = {
+            "image": image,
+            "image_id": record.image_id,
+            "labels": torch.tensor(record.labels, dtype=torch.float32),
+            "proposals": tv_tensors.BoundingBoxes(boxes, format="XYXY", canvas_size=size),
+            "original_size": size,
+        }
+        if record.has_boxes:
+            item["gt_boxes"] = torch.tensor(record.gt_boxes, dtype=torch.float32).reshape(-1, 4)
+            item["gt_labels"] = torch.tensor(record.gt_labels, dtype=torch.int64)
+            item["gt_difficult"] = torch.tensor(record.gt_difficult, dtype=torch.bool)
+        return self.transform(item) if self.transform is not None else item

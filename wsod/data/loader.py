@@ -1,0 +1,233 @@
+"""Batching: padding, aspect-ratio grouping, distributed sampling, and the detector's inputs.
+
+A collated batch (``collate``) is a dict:
+
+    images          float32 (B, 3, Hp, Wp), zero-padded (zero = the mean colour after normalisation) at
+                    the bottom and right to multiples of ``size_divisor``
+    proposals       list of B float32 (R_i, 4) in resized pixels
+    image_labels    float32 (B, C) multi-hot
+    image_sizes     list of B (h, w) resized, unpadded
+    original_sizes  list of B (H, W) on disk
+    image_ids       list of B ids
+    flipped         list of B bools
+    annotations     list of B dicts {boxes (G, 4) float32, labels (G,) int64, difficult (G,) bool} in
+                    original pixels, or None for label-only data
+
+The first five are exactly the keyword arguments of ``WeaklySupervisedDetector.forward``:
+``model(**model_inputs(batch))``.
+
+Sampling: every loader draws indices from a ``DistributedSampler`` (with one replica when not
+distributed), so an epoch's order is a function of ``seed`` and the epoch number on every rank, and
+groups them into batches of one aspect-ratio group (landscape or portrait) so that padding wastes little.
+Training should run a number of iterations over ``infinite_batches(loader)``: ranks may form different
+numbers of batches per epoch once batches are grouped, and an endless stream keeps them in step.
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+from collections.abc import Iterable, Iterator, Sequence
+
+import torch
+import torch.distributed as dist
+from torch.utils.data import DataLoader, Dataset, Sampler
+from torch.utils.data.distributed import DistributedSampler
+
+__all__ = [
+    "MODEL_INPUT_KEYS",
+    "collate",
+    "model_inputs",
+    "aspect_ratio_groups",
+    "GroupedBatchSampler",
+    "build_train_loader",
+    "build_test_loader",
+    "infinite_batches",
+]
+
+MODEL_INPUT_KEYS = ("images", "proposals", "image_labels", "image_sizes", "original_sizes")
+SIZE_DIVISOR = 32
+
+
+def collate(items: Sequence[dict], size_divisor: int = SIZE_DIVISOR) -> dict:
+    """Transformed dataset items -> the batch dict of the module docstring."""
+    sizes = [tuple(item["image"].shape[-2:]) for item in items]
+    padded_h = math.ceil(max(h for h, _ in sizes) / size_divisor) * size_divisor
+    padded_w = math.ceil(max(w for _, w in sizes) / size_divisor) * size_divisor
+    images = items[0]["image"].new_zeros(len(items), 3, padded_h, padded_w)
+    for image, item, (h, w) in zip(images, items, sizes, strict=True):
+        image[:, :h, :w].copy_(item["image"])
+    annotations = [
+        {"boxes": item["gt_boxes"], "labels": item["gt_labels"], "difficult": item["gt_difficult"]}
+        if "gt_boxes" in item
+        else None
+        for item in items
+    ]
+    return {
+        "images": images,
+        "proposals": [item["proposals"] for item in items],
+        "image_labels": torch.stack([item["labels"] for item in items]),
+        "image_sizes": [tuple(item["image_size"]) for item in items],
+        "original_sizes": [tuple(item["original_size"]) for item in items],
+        "image_ids": [item["image_id"] for item in items],
+        "flipped": [item["flipped"] for item in items],
+        "annotations": annotations,
+    }
+
+
+def model_inputs(batch: dict, device: torch.device | str | None = None) -> dict:
+    """The detector's keyword arguments from a batch, moved to ``device`` when given."""
+    inputs = {key: batch[key] for key in MODEL_INPUT_KEYS}
+    if device is not None:
+        inputs["images"] = inputs["images"].to(device, non_blocking=True)
+        inputs["proposals"] = [p.to(device, non_blocking=True) for p in inputs["proposals"]]
+        inputs["image_labels"] = inputs["image_labels"].to(device, non_blocking=True)
+    return inputs
+
+
+def aspect_ratio_groups(image_sizes: Sequence[tuple[int, int]]) -> list[int]:
+    """Group id per image: 0 for landscape or square (W >= H), 1 for portrait."""
+    return [int(h > w) for h, w in image_sizes]
+
+
+class GroupedBatchSampler(Sampler[list[int]]):
+    """Batches of ``batch_size`` indices from ``sampler`` that share a group id.
+
+    Indices are buffered per group in sampler order and a batch is emitted as soon as its group has
+    ``batch_size`` of them. With ``drop_last`` the incomplete leftovers of an epoch are dropped (training;
+    the next epoch's permutation differs), otherwise they come last as smaller batches (evaluation).
+    ``set_epoch`` is passed on to the sampler; ``skip_batches(n)`` makes the next pass start at its n-th
+    batch without loading the ones before (resuming mid-epoch).
+    """
+
+    def __init__(
+        self, sampler: Iterable[int], group_ids: Sequence[int], batch_size: int, drop_last: bool
+    ) -> None:
+        if batch_size < 1:
+            raise ValueError(f"batch_size must be positive, got {batch_size}")
+        self.sampler, self.group_ids = sampler, list(group_ids)
+        self.batch_size, self.drop_last = batch_size, drop_last
+        self._skip = 0
+
+    def __iter__(self) -> Iterator[list[int]]:
+        skip, self._skip = self._skip, 0  # applies to one pass only
+        return itertools.islice(self._batches(), skip, None)
+
+    def _batches(self) -> Iterator[list[int]]:
+        buffers: dict[int, list[int]] = {}
+        for index in self.sampler:
+            buffer = buffers.setdefault(self.group_ids[index], [])
+            buffer.append(index)
+            if len(buffer) == self.batch_size:
+                yield buffer.copy()
+                buffer.clear()
+        if not self.drop_last:
+            yield from (buffer for buffer in buffers.values() if buffer)
+
+    def __len__(self) -> int:
+        """Batches in the current epoch (the sampler's order is fixed by its seed and epoch)."""
+        counts: dict[int, int] = {}
+        for index in self.sampler:
+            counts[self.group_ids[index]] = counts.get(self.group_ids[index], 0) + 1
+        rounding = math.floor if self.drop_last else math.ceil
+        return sum(rounding(n / self.batch_size) for n in counts.values())
+
+    def set_epoch(self, epoch: int) -> None:
+        if hasattr(self.sampler, "set_epoch"):
+            self.sampler.set_epoch(epoch)
+
+    def skip_batches(self, count: int) -> None:
+        self._skip = count
+
+
+def _rank_and_world(rank: int | None, world_size: int | None) -> tuple[int, int]:
+    """Explicit values, else torch.distributed's when it is initialised, else a single process."""
+    initialised = dist.is_available() and dist.is_initialized()
+    if world_size is None:
+        world_size = dist.get_world_size() if initialised else 1
+    if rank is None:
+        rank = dist.get_rank() if initialised else 0
+    return rank, world_size
+
+
+def _loader(
+    dataset: Dataset, batch_sampler: Sampler, num_workers: int, seed: int, pin_memory: bool
+) -> DataLoader:
+    return DataLoader(
+        dataset,
+        batch_sampler=batch_sampler,
+        collate_fn=collate,
+        num_workers=num_workers,
+        pin_memory=pin_memory,
+        # Workers live across epochs (infinite_batches would otherwise restart them every epoch).
+        persistent_workers=num_workers > 0,
+        # Fixes the seeds of the workers' random transforms.
+        generator=torch.Generator().manual_seed(seed),
+    )
+
+
+def build_train_loader(
+    dataset: Dataset,
+    batch_size: int,
+    *,
+    num_workers: int = 2,
+    seed: int = 0,
+    group_by_aspect_ratio: bool = True,
+    rank: int | None = None,
+    world_size: int | None = None,
+    pin_memory: bool = False,
+) -> DataLoader:
+    """Shuffled, aspect-ratio grouped batches of ``batch_size`` images per process; drops leftovers.
+
+    ``dataset`` needs ``image_sizes`` for grouping (``WeakDetectionDataset`` has it). The rank and
+    world size default to torch.distributed's; every rank sees a disjoint share of each epoch.
+    """
+    rank, world_size = _rank_and_world(rank, world_size)
+    sampler = DistributedSampler(dataset, num_replicas=world_size, rank=rank, shuffle=True, seed=seed)
+    groups = aspect_ratio_groups(dataset.image_sizes) if group_by_aspect_ratio else [0] * len(dataset)
+    batches = GroupedBatchSampler(sampler, groups, batch_size, drop_last=True)
+    return _loader(dataset, batches, num_workers, seed, pin_memory)
+
+
+def build_test_loader(
+    dataset: Dataset,
+    batch_size: int = 1,
+    *,
+    num_workers: int = 2,
+    rank: int | None = None,
+    world_size: int | None = None,
+    pin_memory: bool = False,
+) -> DataLoader:
+    """Every image exactly once, in dataset order, split over ranks by striding (no padding duplicates,
+    unlike ``DistributedSampler``); batches larger than one are grouped by aspect ratio."""
+    rank, world_size = _rank_and_world(rank, world_size)
+    indices = range(rank, len(dataset), world_size)
+    groups = aspect_ratio_groups(dataset.image_sizes) if batch_size > 1 else [0] * len(dataset)
+    batches = GroupedBatchSampler(indices, groups, batch_size, drop_last=False)
+    return _loader(dataset, batches, num_workers, 0, pin_memory)
+
+
+def infinite_batches(loader: DataLoader, start_batch: int = 0) -> Iterator[dict]:
+    """Batches without end, epoch after epoch (``set_epoch`` before each, so each is reshuffled).
+
+    ``start_batch``: the stream continues as if that many batches had been drawn already, skipping
+    whole epochs and then the first batches of an epoch without loading them (exact resume).
+    """
+    sampler = loader.batch_sampler
+    epoch, skip = 0, start_batch
+    while True:
+        if hasattr(sampler, "set_epoch"):
+            sampler.set_epoch(epoch)
+        length = len(sampler)
+        if length == 0:
+            raise ValueError("the loader forms no batch in an epoch (batch size above the group sizes?)")
+        if skip >= length:
+            skip, epoch = skip - length, epoch + 1
+            continue
+        if skip:
+            if not hasattr(sampler, "skip_batches"):
+                raise TypeError("start_batch needs a batch sampler with skip_batches (GroupedBatchSampler)")
+            sampler.skip_batches(skip)
+            skip = 0
+        yield from loader
+        epoch += 1

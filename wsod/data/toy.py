@@ -1,0 +1,260 @@
+"""The embedded toy dataset: coloured shapes on textured backgrounds, in the exact VOC layout.
+
+Five classes, each a distinct shape in a distinct colour (``TOY_CLASSES``); 1-3 objects per 160x160
+image, 25-70 px, never overlapping; backgrounds of soft blotches, stripes and grain in muted colours.
+Written as ``{root}/VOCdevkit/VOC2007/{JPEGImages, Annotations, ImageSets/Main}`` (trainval, train, val,
+test and per-class files) plus Selective Search proposals for trainval and test in the reference pickle
+format (``{root}/proposals/selective_search_{split}.pkl``, made by ``wsod.data.selective_search``).
+
+``ensure_toy_dataset()`` generates it on first use and returns the paths afterwards. Every image is drawn
+from its own seeded generator (``seed``, image number), so the files are the same whatever the order or
+number of processes. Generation writes into a temporary folder renamed into place at the end, so an
+interrupted run leaves no half dataset and concurrent callers (e.g. several ranks) do not collide.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import shutil
+import time
+import xml.etree.ElementTree as ET
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import cv2
+import numpy as np
+from PIL import Image
+
+from wsod.atomic import atomic_write
+from wsod.data.box_formats import to_one_based
+from wsod.data.selective_search import generate_proposals
+from wsod.data.voc import VOCDataset
+
+__all__ = ["TOY_CLASSES", "ToyDataset", "ensure_toy_dataset", "render_toy_image"]
+
+logger = logging.getLogger(__name__)
+
+TOY_CLASSES = ("red_circle", "green_square", "blue_triangle", "yellow_cross", "magenta_diamond")
+_COLOURS = np.array(
+    [(220, 35, 35), (35, 170, 55), (40, 75, 225), (235, 205, 35), (205, 50, 205)], dtype=np.float32
+)
+IMAGE_SIZE = 160
+OBJECT_SIZE = (25, 70)
+YEAR = "2007"
+FORMAT_VERSION = 1
+_SUPERSAMPLE = 4  # shapes are drawn at 4x and averaged down: anti-aliased edges, like a photograph's
+
+
+@dataclass(frozen=True)
+class ToyDataset:
+    """Where the toy dataset lives. ``dataset(split, ...)`` opens a split as a ``VOCDataset``."""
+
+    root: Path
+    devkit: Path
+    year: str
+    classes: tuple[str, ...]
+    proposal_files: dict[str, Path] = field(default_factory=dict)
+
+    def dataset(self, split: str, **kwargs) -> VOCDataset:
+        """``split`` in trainval / test (train / val use the trainval proposals); kwargs go to VOCDataset."""
+        proposals = self.proposal_files["test" if split == "test" else "trainval"]
+        return VOCDataset(self.devkit, self.year, split, proposals, classes=self.classes, **kwargs)
+
+
+def _background(rng: np.random.Generator, size: int) -> np.ndarray:
+    """Muted textured background (size, size, 3) float32 in 0-255."""
+    base = rng.uniform(70, 180) + rng.uniform(-18, 18, 3)
+    cells = int(rng.integers(3, 9))
+    # Blotches vary mostly in brightness, little in hue, so that no patch looks like an object colour.
+    low = rng.normal(0, 22, (cells, cells, 1)) + rng.normal(0, 7, (cells, cells, 3))
+    blotches = cv2.resize(low.astype(np.float32), (size, size), interpolation=cv2.INTER_CUBIC)
+    yy, xx = np.mgrid[0:size, 0:size].astype(np.float32)
+    angle, frequency = rng.uniform(0, np.pi), rng.uniform(0.08, 0.5)
+    stripes = rng.uniform(0, 16) * np.sin(
+        frequency * (xx * np.cos(angle) + yy * np.sin(angle)) + rng.uniform(0, 6)
+    )
+    grain = rng.normal(0, 6, (size, size, 3))
+    return (base + blotches + stripes[..., None] + grain).astype(np.float32)
+
+
+def _shape_mask(cls: int, box: tuple[float, float, float, float], size: int) -> np.ndarray:
+    """Coverage (size, size) float32 in 0-1 of the shape of class ``cls`` filling ``box`` (x0, y0, w, h)."""
+    s = _SUPERSAMPLE
+    x0, y0, w, h = (v * s for v in box)
+    canvas = np.zeros((size * s, size * s), np.uint8)
+    cx, cy = x0 + w / 2, y0 + h / 2
+
+    def poly(points: Sequence[tuple[float, float]]) -> None:
+        cv2.fillPoly(canvas, [np.round(np.array(points)).astype(np.int32)], 255)
+
+    if cls == 0:  # circle (slightly elliptic)
+        cv2.ellipse(canvas, (round(cx), round(cy)), (round(w / 2), round(h / 2)), 0, 0, 360, 255, -1)
+    elif cls == 1:  # square
+        poly([(x0, y0), (x0 + w, y0), (x0 + w, y0 + h), (x0, y0 + h)])
+    elif cls == 2:  # triangle, apex up
+        poly([(cx, y0), (x0 + w, y0 + h), (x0, y0 + h)])
+    elif cls == 3:  # cross: a horizontal and a vertical bar a third of the box thick
+        poly([(x0, cy - h / 6), (x0 + w, cy - h / 6), (x0 + w, cy + h / 6), (x0, cy + h / 6)])
+        poly([(cx - w / 6, y0), (cx + w / 6, y0), (cx + w / 6, y0 + h), (cx - w / 6, y0 + h)])
+    else:  # diamond
+        poly([(cx, y0), (x0 + w, cy), (cx, y0 + h), (x0, cy)])
+    return cv2.resize(canvas, (size, size), interpolation=cv2.INTER_AREA).astype(np.float32) / 255.0
+
+
+def _place(rng: np.random.Generator, placed: list[tuple[float, ...]], size: int) -> tuple[float, ...] | None:
+    """A random (x0, y0, w, h) inside the image at least 3 px from every placed box, or None."""
+    gap = 3
+    for _ in range(50):
+        side = rng.uniform(*OBJECT_SIZE)
+        w = float(np.clip(side * rng.uniform(0.85, 1.15), *OBJECT_SIZE))
+        h = float(np.clip(side * rng.uniform(0.85, 1.15), *OBJECT_SIZE))
+        x0, y0 = rng.uniform(1, size - w - 1), rng.uniform(1, size - h - 1)
+        if all(
+            x0 + w + gap < px or px + pw + gap < x0 or y0 + h + gap < py or py + ph + gap < y0
+            for px, py, pw, ph in placed
+        ):
+            return x0, y0, w, h
+    return None
+
+
+def render_toy_image(
+    seed: int, number: int, size: int = IMAGE_SIZE
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Image ``number`` of the dataset with ``seed`` -> (uint8 RGB (size, size, 3), boxes (G, 4) float32
+    0-based inclusive tight around the drawn pixels, labels (G,) int64)."""
+    rng = np.random.default_rng([seed, number])
+    image = _background(rng, size)
+    boxes, labels, placed = [], [], []
+    for _ in range(int(rng.integers(1, 4))):
+        box = _place(rng, placed, size)
+        if box is None:
+            continue
+        placed.append(box)
+        cls = int(rng.integers(len(TOY_CLASSES)))
+        mask = _shape_mask(cls, box, size)
+        colour = _COLOURS[cls] + rng.uniform(-20, 20, 3) + rng.normal(0, 5, (size, size, 3))
+        image = image * (1 - mask[..., None]) + colour * mask[..., None]
+        ys, xs = np.nonzero(mask >= 0.5)
+        boxes.append([xs.min(), ys.min(), xs.max(), ys.max()])
+        labels.append(cls)
+    image = np.clip(np.round(image), 0, 255).astype(np.uint8)
+    return image, np.array(boxes, np.float32).reshape(-1, 4), np.array(labels, np.int64)
+
+
+def _annotation_xml(image_id: str, size: int, boxes: np.ndarray, labels: np.ndarray) -> bytes:
+    root = ET.Element("annotation")
+    ET.SubElement(root, "folder").text = f"VOC{YEAR}"
+    ET.SubElement(root, "filename").text = f"{image_id}.jpg"
+    ET.SubElement(ET.SubElement(root, "source"), "database").text = "wsod toy"
+    size_node = ET.SubElement(root, "size")
+    for tag, value in (("width", size), ("height", size), ("depth", 3)):
+        ET.SubElement(size_node, tag).text = str(value)
+    ET.SubElement(root, "segmented").text = "0"
+    for box, label in zip(to_one_based(boxes), labels, strict=True):
+        obj = ET.SubElement(root, "object")
+        ET.SubElement(obj, "name").text = TOY_CLASSES[label]
+        ET.SubElement(obj, "pose").text = "Unspecified"
+        ET.SubElement(obj, "truncated").text = "0"
+        ET.SubElement(obj, "difficult").text = "0"
+        bndbox = ET.SubElement(obj, "bndbox")
+        for tag, value in zip(("xmin", "ymin", "xmax", "ymax"), box, strict=True):
+            ET.SubElement(bndbox, tag).text = str(int(value))
+    ET.indent(root)
+    return ET.tostring(root)
+
+
+def _write_devkit(base: Path, seed: int, num_train: int, num_test: int) -> dict[str, list[str]]:
+    """Render every image with its xml and write the image set files; returns split -> ids."""
+    for folder in ("JPEGImages", "Annotations", "ImageSets/Main"):
+        (base / folder).mkdir(parents=True, exist_ok=True)
+    ids = [f"{n:06d}" for n in range(num_train + num_test)]
+    splits = {"trainval": ids[:num_train], "test": ids[num_train:]}
+    splits["train"], splits["val"] = splits["trainval"][0::2], splits["trainval"][1::2]
+    present: dict[str, set[int]] = {}
+    for number, image_id in enumerate(ids):
+        image, boxes, labels = render_toy_image(seed, number)
+        Image.fromarray(image).save(base / "JPEGImages" / f"{image_id}.jpg", quality=92)
+        (base / "Annotations" / f"{image_id}.xml").write_bytes(
+            _annotation_xml(image_id, IMAGE_SIZE, boxes, labels)
+        )
+        present[image_id] = set(labels.tolist())
+    for split, split_ids in splits.items():
+        (base / "ImageSets" / "Main" / f"{split}.txt").write_text("".join(f"{i}\n" for i in split_ids))
+        for cls, name in enumerate(TOY_CLASSES):
+            lines = "".join(f"{i} {1 if cls in present[i] else -1:2d}\n" for i in split_ids)
+            (base / "ImageSets" / "Main" / f"{name}_{split}.txt").write_text(lines)
+    return splits
+
+
+def _paths(root: Path) -> ToyDataset:
+    proposals = {
+        split: root / "proposals" / f"selective_search_{split}.pkl" for split in ("trainval", "test")
+    }
+    return ToyDataset(root, root / "VOCdevkit", YEAR, TOY_CLASSES, proposals)
+
+
+def ensure_toy_dataset(
+    root: str | os.PathLike = "data/toy",
+    *,
+    num_train: int = 600,
+    num_test: int = 200,
+    seed: int = 0,
+    workers: int = 2,
+    progress: bool = False,
+) -> ToyDataset:
+    """The toy dataset at ``root`` (relative to the working directory), generated first if absent.
+
+    ``num_train`` / ``num_test`` make smaller variants (for tests); a folder made with other settings is
+    an error rather than silently reused. ``workers`` processes run Selective Search.
+    """
+    root = Path(root)
+    manifest = {
+        "format": FORMAT_VERSION,
+        "seed": seed,
+        "num_train": num_train,
+        "num_test": num_test,
+        "image_size": IMAGE_SIZE,
+        "classes": list(TOY_CLASSES),
+    }
+    manifest_path = root / "toy.json"
+    if manifest_path.is_file():
+        existing = json.loads(manifest_path.read_text())
+        if existing != manifest:
+            raise ValueError(
+                f"{root} holds a toy dataset made with {existing}, not {manifest}; use another root"
+            )
+        return _paths(root)
+    if root.exists() and any(root.iterdir()):
+        raise FileExistsError(f"{root} exists but holds no toy dataset ({manifest_path.name} is missing)")
+
+    start = time.perf_counter()
+    logger.info("generating the toy dataset in %s (%d trainval + %d test images)", root, num_train, num_test)
+    staging = root.with_name(f".{root.name}.tmp-{os.getpid()}")
+    shutil.rmtree(staging, ignore_errors=True)
+    try:
+        splits = _write_devkit(staging / "VOCdevkit" / f"VOC{YEAR}", seed, num_train, num_test)
+        images_dir = staging / "VOCdevkit" / f"VOC{YEAR}" / "JPEGImages"
+        for split, path in _paths(staging).proposal_files.items():
+            images = [(i, str(images_dir / f"{i}.jpg")) for i in splits[split]]
+            generate_proposals(images, path, workers=workers, progress=progress)
+        with atomic_write(staging / "toy.json", "w") as f:
+            json.dump(manifest, f, indent=1)
+        if root.exists():
+            root.rmdir()  # empty (checked above); os.replace cannot replace a directory
+        os.replace(staging, root)
+    except OSError:
+        if manifest_path.is_file():  # another process finished first: use its copy
+            shutil.rmtree(staging, ignore_errors=True)
+            return ensure_toy_dataset(
+                root, num_train=num_train, num_test=num_test, seed=seed, workers=workers
+            )
+        shutil.rmtree(staging, ignore_errors=True)
+        raise
+    except BaseException:
+        shutil.rmtree(staging, ignore_errors=True)
+        raise
+    logger.info("toy dataset ready in %s (%.1f s)", root, time.perf_counter() - start)
+    return _paths(root)
