@@ -1,0 +1,139 @@
+"""COCO box evaluation through pycocotools: detections -> results json -> COCOeval's 12 summary numbers.
+
+Detections are per-image dicts ``{"boxes": (D, 4) float xyxy, "scores": (D,), "labels": (D,) int64}``
+with continuous pixel corners (x2 = x + w, no +1) and labels indexing the contiguous classes
+0..C-1; ``category_ids[label]`` is the COCO category id of a label.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import io
+import json
+import math
+import os
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+from pycocotools.coco import COCO
+from pycocotools.cocoeval import COCOeval
+from torchvision.ops import box_convert
+
+__all__ = [
+    "STAT_NAMES",
+    "evaluate_coco",
+    "format_coco_stats",
+    "load_coco",
+    "save_coco_results",
+    "to_coco_results",
+]
+
+# The order of COCOeval.stats after summarize() for iouType "bbox".
+STAT_NAMES = ("AP", "AP50", "AP75", "APs", "APm", "APl", "AR1", "AR10", "AR100", "ARs", "ARm", "ARl")
+
+
+def to_coco_results(
+    detections: Sequence[Mapping[str, Any]], image_ids: Sequence[int], category_ids: Sequence[int]
+) -> list[dict[str, Any]]:
+    """COCO results list: one ``{"image_id", "category_id", "bbox": [x, y, w, h], "score"}`` per detection.
+
+    ``image_ids[i]`` is the COCO image id of ``detections[i]``. Values are plain Python numbers, so the
+    list can be written with ``json.dump`` as is. Order: image order, then detection order.
+    """
+    if len(image_ids) != len(detections):
+        raise ValueError(f"{len(image_ids)} image ids for {len(detections)} images")
+    results = []
+    for image_id, det in zip(image_ids, detections, strict=True):
+        boxes = torch.as_tensor(det["boxes"]).detach().cpu().double().reshape(-1, 4)
+        boxes = box_convert(boxes, in_fmt="xyxy", out_fmt="xywh")
+        scores = torch.as_tensor(det["scores"]).detach().cpu().double().reshape(-1).tolist()
+        labels = torch.as_tensor(det["labels"]).detach().cpu().reshape(-1).tolist()
+        for box, score, label in zip(boxes.tolist(), scores, labels, strict=True):
+            if not 0 <= label < len(category_ids):
+                raise ValueError(f"image {image_id}: label {label} outside [0, {len(category_ids)})")
+            results.append(
+                {"image_id": image_id, "category_id": category_ids[label], "bbox": box, "score": score}
+            )
+    return results
+
+
+def save_coco_results(results: Sequence[Mapping[str, Any]], path: str | os.PathLike) -> Path:
+    """Write a COCO results list as json (the format of the COCO evaluation server); returns the path."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(list(results)))
+    return path
+
+
+def load_coco(ground_truth: COCO | str | os.PathLike | Mapping[str, Any]) -> COCO:
+    """A COCO ground-truth object from a COCO object, an instances json path or its loaded dict."""
+    if isinstance(ground_truth, COCO):
+        return ground_truth
+    with contextlib.redirect_stdout(io.StringIO()):  # pycocotools prints progress
+        if isinstance(ground_truth, Mapping):
+            coco = COCO()
+            coco.dataset = dict(ground_truth)
+            coco.createIndex()
+            return coco
+        return COCO(os.fspath(ground_truth))
+
+
+def evaluate_coco(
+    results: Sequence[Mapping[str, Any]] | str | os.PathLike,
+    ground_truth: COCO | str | os.PathLike | Mapping[str, Any],
+    image_ids: Sequence[int] | None = None,
+) -> dict[str, float]:
+    """COCOeval (bbox) of a results list (or results json path) -> ``{name: value}`` for ``STAT_NAMES``.
+
+    Values are COCOeval's, in [0, 1], and -1 where undefined (e.g. APs without small objects).
+    ``image_ids`` restricts evaluation to those images (pass all predicted images, including those
+    without detections, when predicting on part of a split); by default every ground-truth image counts.
+    With no detections at all, every defined AP and AR is 0: pycocotools' ``loadRes`` rejects an empty
+    list, so an empty results object is built instead and COCOeval runs as usual.
+    """
+    if isinstance(results, (str, os.PathLike)):
+        results = json.loads(Path(results).read_text())
+    coco_gt = load_coco(ground_truth)
+    with contextlib.redirect_stdout(io.StringIO()):  # pycocotools prints progress and its summary
+        # loadRes writes "id", "area" and "iscrowd" into the dicts it gets: hand it copies.
+        coco_dt = coco_gt.loadRes([dict(r) for r in results]) if results else _empty_results(coco_gt)
+        evaluator = COCOeval(coco_gt, coco_dt, iouType="bbox")
+        if image_ids is not None:
+            evaluator.params.imgIds = sorted(image_ids)
+        evaluator.evaluate()
+        evaluator.accumulate()
+        evaluator.summarize()
+    return {name: float(value) for name, value in zip(STAT_NAMES, evaluator.stats, strict=True)}
+
+
+def format_coco_stats(stats: Mapping[str, float]) -> str:
+    """The 12 numbers in percent as a header, a row, and a ``copypaste:`` line of comma-separated values.
+
+    Undefined values (-1) print as "-" in the row and "nan" in the copypaste line.
+    """
+    names = [name for name in STAT_NAMES if name in stats]
+    values = [stats[name] for name in names]
+    header = "".join(f"{name:>8}" for name in names)
+    row = "".join(f"{_percent(v, missing='-'):>8}" for v in values)
+    return "\n".join(
+        [header, row, f"copypaste: COCO bbox {','.join(names)}: {','.join(_percent(v) for v in values)}"]
+    )
+
+
+def _empty_results(coco_gt: COCO) -> COCO:
+    """What ``loadRes`` would return for an empty results list, had it accepted one."""
+    coco_dt = COCO()
+    coco_dt.dataset = {
+        "images": list(coco_gt.dataset["images"]),
+        "categories": copy.deepcopy(coco_gt.dataset["categories"]),
+        "annotations": [],
+    }
+    coco_dt.createIndex()
+    return coco_dt
+
+
+def _percent(value: float, missing: str = "nan") -> str:
+    return missing if value < 0 or math.isnan(value) else f"{100 * value:.2f}"
