@@ -109,6 +109,28 @@ def test_epochs_are_reshuffled_reproducible_and_resumable(tiny_toy):
     assert stream(start=6, count=2) == full[6:]
 
 
+def test_augmentation_is_seeded_per_image_not_per_worker_or_resume(tiny_toy):
+    dataset = tiny_toy.dataset("trainval", transform=train_transform((48, 64, 80), 200, flip_prob=0.5))
+
+    def stream(workers, start=0, count=5):
+        loader = build_train_loader(dataset, 2, num_workers=workers, seed=3)
+        return list(itertools.islice(infinite_batches(loader, start), count))
+
+    reference = stream(0)
+    assert len({b["images"].shape for b in reference}) > 1 and any(any(b["flipped"]) for b in reference)
+    for batches in (stream(2), [*reference[:2], *stream(2, start=2, count=3)]):
+        for ours, theirs in zip(batches, reference, strict=True):
+            assert ours["image_ids"] == theirs["image_ids"] and ours["flipped"] == theirs["flipped"]
+            torch.testing.assert_close(ours["images"], theirs["images"], rtol=0, atol=0)
+            torch.testing.assert_close(ours["proposals"], theirs["proposals"], rtol=0, atol=0)
+    # The training process's own random stream is left alone.
+    torch.manual_seed(0)
+    stream(0, count=1)
+    after = torch.rand(1)
+    torch.manual_seed(0)
+    assert torch.equal(torch.rand(1), after)
+
+
 def test_loader_batches_run_through_the_detector(tiny_toy):
     dataset = tiny_toy.dataset("test", transform=test_transform(96, 200))
     batch = next(iter(build_test_loader(dataset, batch_size=2, num_workers=0)))

@@ -166,7 +166,10 @@ class WeakDetectionDataset(Dataset):
     def __len__(self) -> int:
         return len(self.records)
 
-    def __getitem__(self, index: int) -> dict:
+    def __getitem__(self, index: int | tuple[int, int]) -> dict:
+        """``index``, or ``(index, seed)`` to draw this item's random transform from ``seed`` (see
+        ``wsod.data.loader.GroupedBatchSampler``) without touching the process's random stream."""
+        index, seed = index if isinstance(index, tuple) else (index, None)
         record = self.records[index]
         image = load_image(record.path)
         size = (image.shape[-2], image.shape[-1])
@@ -195,4 +198,10 @@ class WeakDetectionDataset(Dataset):
             item["gt_boxes"] = torch.tensor(record.gt_boxes, dtype=torch.float32).reshape(-1, 4)
             item["gt_labels"] = torch.tensor(record.gt_labels, dtype=torch.int64)
             item["gt_difficult"] = torch.tensor(record.gt_difficult, dtype=torch.bool)
-        return self.transform(item) if self.transform is not None else item
+        if self.transform is None:
+            return item
+        if seed is None:
+            return self.transform(item)
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(seed)
+            return self.transform(item)

@@ -96,28 +96,40 @@ class GroupedBatchSampler(Sampler[list[int]]):
     Indices are buffered per group in sampler order and a batch is emitted as soon as its group has
     ``batch_size`` of them. With ``drop_last`` the incomplete leftovers of an epoch are dropped (training;
     the next epoch's permutation differs), otherwise they come last as smaller batches (evaluation).
-    ``set_epoch`` is passed on to the sampler; ``skip_batches(n)`` makes the next pass start at its n-th
-    batch without loading the ones before (resuming mid-epoch).
+    ``set_epoch`` is passed on to the sampler; ``skip_batches(n)`` makes the passes over the current epoch
+    start at its n-th batch without loading the ones before (resuming mid-epoch).
+
+    With ``augmentation_seed`` set, each index comes as ``(index, sample_seed)`` with the seed a function
+    of (augmentation_seed, epoch, index) alone: the dataset seeds that image's random transform with it,
+    so augmentation does not depend on the number of workers, the rank, or where a run was resumed.
     """
 
     def __init__(
-        self, sampler: Iterable[int], group_ids: Sequence[int], batch_size: int, drop_last: bool
+        self,
+        sampler: Iterable[int],
+        group_ids: Sequence[int],
+        batch_size: int,
+        drop_last: bool,
+        augmentation_seed: int | None = None,
     ) -> None:
         if batch_size < 1:
             raise ValueError(f"batch_size must be positive, got {batch_size}")
         self.sampler, self.group_ids = sampler, list(group_ids)
         self.batch_size, self.drop_last = batch_size, drop_last
+        self.augmentation_seed = augmentation_seed
+        self.epoch = 0
         self._skip = 0
 
     def __iter__(self) -> Iterator[list[int]]:
-        skip, self._skip = self._skip, 0  # applies to one pass only
-        return itertools.islice(self._batches(), skip, None)
+        # The skip holds for the whole current epoch rather than for one __iter__ call: a multi-worker
+        # DataLoader calls iter() on its batch sampler twice when it starts, and uses the second.
+        return itertools.islice(self._batches(), self._skip, None)
 
-    def _batches(self) -> Iterator[list[int]]:
-        buffers: dict[int, list[int]] = {}
+    def _batches(self) -> Iterator[list]:
+        buffers: dict[int, list] = {}
         for index in self.sampler:
             buffer = buffers.setdefault(self.group_ids[index], [])
-            buffer.append(index)
+            buffer.append(index if self.augmentation_seed is None else (index, self._sample_seed(index)))
             if len(buffer) == self.batch_size:
                 yield buffer.copy()
                 buffer.clear()
@@ -132,11 +144,18 @@ class GroupedBatchSampler(Sampler[list[int]]):
         rounding = math.floor if self.drop_last else math.ceil
         return sum(rounding(n / self.batch_size) for n in counts.values())
 
+    def _sample_seed(self, index: int) -> int:
+        # Two large odd multipliers keep (seed, epoch, index) triples apart; 63 bits fit manual_seed.
+        return ((self.augmentation_seed * 1_000_003 + self.epoch) * 998_244_353 + index) % 2**63
+
     def set_epoch(self, epoch: int) -> None:
+        self.epoch = epoch
+        self._skip = 0
         if hasattr(self.sampler, "set_epoch"):
             self.sampler.set_epoch(epoch)
 
     def skip_batches(self, count: int) -> None:
+        """Start the passes over the current epoch at its ``count``-th batch (until ``set_epoch``)."""
         self._skip = count
 
 
@@ -185,7 +204,7 @@ def build_train_loader(
     rank, world_size = _rank_and_world(rank, world_size)
     sampler = DistributedSampler(dataset, num_replicas=world_size, rank=rank, shuffle=True, seed=seed)
     groups = aspect_ratio_groups(dataset.image_sizes) if group_by_aspect_ratio else [0] * len(dataset)
-    batches = GroupedBatchSampler(sampler, groups, batch_size, drop_last=True)
+    batches = GroupedBatchSampler(sampler, groups, batch_size, drop_last=True, augmentation_seed=seed)
     return _loader(dataset, batches, num_workers, seed, pin_memory)
 
 
