@@ -1,0 +1,171 @@
+"""Prediction over a dataset with optional test-time augmentation, and the random-score baseline.
+
+Test-time augmentation (SPEC section 5): every image is run at each scale, and flipped too when asked;
+per-ROI class probabilities and decoded boxes (in original pixels, flipped ones mirrored back) are
+averaged over the passes before the per-class NMS. All passes of an image share its proposals, because
+proposals are filtered before any transform.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from contextlib import nullcontext
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+from torch.utils.data import DataLoader, Dataset
+from tqdm import tqdm
+
+from wsod.data.loader import collate, model_inputs
+from wsod.data.proposals import filter_proposals, whole_image_box
+from wsod.data.transforms import test_transform
+from wsod.modeling.detector import WeaklySupervisedDetector
+
+__all__ = ["MultiViewDataset", "predict", "random_detections", "annotations_of"]
+
+Detections = list[dict[str, Tensor]]
+
+
+class MultiViewDataset(Dataset):
+    """Each item is the list of one image's views, one per transform (scale x flip)."""
+
+    def __init__(self, dataset: Dataset, transforms: Sequence) -> None:
+        if getattr(dataset, "transform", None) is not None:
+            raise ValueError("MultiViewDataset applies its own transforms: give it a dataset without one")
+        self.dataset, self.transforms = dataset, list(transforms)
+
+    def __len__(self) -> int:
+        return len(self.dataset)
+
+    def __getitem__(self, index: int) -> list[dict]:
+        item = self.dataset[index]
+        return [transform(item) for transform in self.transforms]
+
+
+def _collate_views(items: list[list[dict]]) -> list[dict]:
+    """B images x V views -> V batches of B images."""
+    return [collate([item[v] for item in items]) for v in range(len(items[0]))]
+
+
+def _unflip(boxes: Tensor, width: int) -> Tensor:
+    """Mirror (..., 4) xyxy boxes of a flipped image of ``width`` back (torchvision's x -> W - x)."""
+    return torch.stack([width - boxes[..., 2], boxes[..., 1], width - boxes[..., 0], boxes[..., 3]], dim=-1)
+
+
+@torch.no_grad()
+def predict(
+    model: WeaklySupervisedDetector,
+    dataset: Dataset,
+    *,
+    scales: Sequence[int],
+    max_size: int | None,
+    flip: bool = False,
+    batch_size: int = 1,
+    num_workers: int = 2,
+    device: torch.device | str = "cpu",
+    amp: str | None = None,
+    progress: bool = True,
+) -> Detections:
+    """Detections for every image of ``dataset`` (built without a transform), in dataset order.
+
+    Each detection dict holds CPU tensors ``boxes`` (D, 4) in original pixels, ``scores`` (D,) and
+    ``labels`` (D,) in 0..C-1. Under torch.distributed each process predicts every world_size-th image
+    and all processes receive the whole list.
+    """
+    device = torch.device(device)
+    rank, world = (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
+    views = [
+        test_transform(s, max_size, flip=f) for s in scales for f in ((False, True) if flip else (False,))
+    ]
+    indices = list(range(rank, len(dataset), world))
+    loader = DataLoader(
+        torch.utils.data.Subset(MultiViewDataset(dataset, views), indices),
+        batch_size=batch_size,
+        collate_fn=_collate_views,
+        num_workers=num_workers,
+    )
+    autocast = (
+        torch.autocast(device.type, dtype={"bf16": torch.bfloat16, "fp16": torch.float16}[amp])
+        if amp and device.type == "cuda"
+        else nullcontext()
+    )
+    was_training = model.training
+    model.eval()
+    results: Detections = []
+    bar = tqdm(
+        loader, desc=f"predict ({len(views)} views)", disable=not (progress and rank == 0), dynamic_ncols=True
+    )
+    for batches in bar:
+        totals: list[list[Tensor]] | None = None
+        for batch in batches:
+            inputs = model_inputs(batch, device)
+            with autocast:
+                features = model.roi_features(inputs["images"], inputs["proposals"])
+            per_roi = model.predict_rois(
+                features.float(), inputs["proposals"], inputs["image_sizes"], inputs["original_sizes"]
+            )
+            per_roi = [
+                (scores, _unflip(boxes, size[1]) if flipped else boxes)
+                for (scores, boxes), size, flipped in zip(
+                    per_roi, inputs["original_sizes"], batch["flipped"], strict=True
+                )
+            ]
+            if totals is None:
+                totals = [[scores, boxes] for scores, boxes in per_roi]
+            else:
+                for total, (scores, boxes) in zip(totals, per_roi, strict=True):
+                    total[0] = total[0] + scores
+                    total[1] = total[1] + boxes
+        for scores, boxes in totals:
+            detections = model.postprocess(scores / len(views), boxes / len(views))
+            results.append({k: v.cpu() for k, v in detections.items()})
+    model.train(was_training)
+    if world == 1:
+        return results
+    gathered: list[Any] = [None] * world
+    dist.all_gather_object(gathered, results)
+    ordered: Detections = [None] * len(dataset)  # type: ignore[list-item]
+    for r, part in enumerate(gathered):
+        for position, detections in zip(range(r, len(dataset), world), part, strict=True):
+            ordered[position] = detections
+    return ordered
+
+
+def random_detections(dataset: Dataset, model: WeaklySupervisedDetector, *, seed: int = 0) -> Detections:
+    """The chance level: uniformly random class scores over the same proposals, through the model's own
+    post-processing (per-class NMS, top detections). ``dataset`` is a ``WeakDetectionDataset``."""
+    generator = torch.Generator().manual_seed(seed)
+    results: Detections = []
+    for record in dataset.records:
+        size = (record.height, record.width)
+        boxes = filter_proposals(
+            dataset.proposals[record.image_id],
+            size,
+            min_size=dataset.min_proposal_size,
+            top_k=dataset.max_proposals,
+        )
+        boxes = torch.as_tensor(boxes if len(boxes) else whole_image_box(size), dtype=torch.float32)
+        scores = torch.rand(len(boxes), dataset.num_classes + 1, generator=generator)
+        per_class = boxes[:, None, :].expand(-1, dataset.num_classes + 1, -1)
+        results.append(model.postprocess(scores, per_class))
+    return results
+
+
+def annotations_of(dataset: Dataset) -> list[dict[str, Tensor]]:
+    """Ground truth of a ``WeakDetectionDataset`` in original pixels, for ``wsod.evaluation.voc``."""
+    annotations = []
+    for record in dataset.records:
+        if not record.has_boxes:
+            raise ValueError(
+                f"image {record.image_id!r} has no ground-truth boxes: cannot evaluate detections"
+            )
+        annotations.append(
+            {
+                "boxes": torch.as_tensor(record.gt_boxes, dtype=torch.float32).reshape(-1, 4),
+                "labels": torch.as_tensor(record.gt_labels, dtype=torch.int64),
+                "difficult": torch.as_tensor(record.gt_difficult, dtype=torch.bool),
+            }
+        )
+    return annotations
