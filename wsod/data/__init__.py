@@ -6,7 +6,7 @@ foreground classes 0..C-1; ground-truth labels index the same classes.
 """
 
 from wsod.data.coco import CocoDataset
-from wsod.data.dataset import ImageRecord, WeakDetectionDataset
+from wsod.data.dataset import ConcatWeakDataset, ImageRecord, WeakDetectionDataset
 from wsod.data.loader import build_test_loader, build_train_loader, collate, infinite_batches, model_inputs
 from wsod.data.proposals import (
     MissingProposalsError,
@@ -21,6 +21,7 @@ from wsod.data.voc import VOC_CLASSES, VOCDataset
 
 __all__ = [
     "CocoDataset",
+    "ConcatWeakDataset",
     "DetectionTransform",
     "ImageRecord",
     "MissingProposalsError",

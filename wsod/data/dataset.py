@@ -27,6 +27,7 @@ Bad input, and why each is an error or a skip:
 
 from __future__ import annotations
 
+import bisect
 import logging
 import os
 from collections.abc import Callable, Hashable, Sequence
@@ -35,12 +36,18 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 from PIL import Image
-from torch.utils.data import Dataset
+from torch.utils.data import ConcatDataset, Dataset
 from torchvision import tv_tensors
 
 from wsod.data.proposals import ProposalSet, filter_proposals, load_proposals, whole_image_box
 
-__all__ = ["ImageRecord", "WeakDetectionDataset", "load_image", "image_size_from_header"]
+__all__ = [
+    "ImageRecord",
+    "WeakDetectionDataset",
+    "ConcatWeakDataset",
+    "load_image",
+    "image_size_from_header",
+]
 
 logger = logging.getLogger(__name__)
 
@@ -205,3 +212,34 @@ class WeakDetectionDataset(Dataset):
         with torch.random.fork_rng(devices=[]):
             torch.manual_seed(seed)
             return self.transform(item)
+
+
+class ConcatWeakDataset(ConcatDataset):
+    """Several datasets of the same classes as one (e.g. VOC 2007 + 2012 trainval), keeping what the
+    loader needs of a ``WeakDetectionDataset``: ``classes``, ``image_sizes``, ``image_ids`` and
+    ``(index, seed)`` indexing."""
+
+    def __init__(self, datasets: Sequence[WeakDetectionDataset]) -> None:
+        classes = {tuple(d.classes) for d in datasets}
+        if len(classes) != 1:
+            raise ValueError(f"datasets to concatenate must share their classes, got {sorted(classes)}")
+        super().__init__(datasets)
+        self.classes = tuple(datasets[0].classes)
+
+    @property
+    def num_classes(self) -> int:
+        return len(self.classes)
+
+    @property
+    def image_sizes(self) -> list[tuple[int, int]]:
+        return [size for d in self.datasets for size in d.image_sizes]
+
+    @property
+    def image_ids(self) -> list[ImageId]:
+        return [image_id for d in self.datasets for image_id in d.image_ids]
+
+    def __getitem__(self, index: int | tuple[int, int]) -> dict:
+        index, seed = index if isinstance(index, tuple) else (index, None)
+        which = bisect.bisect_right(self.cumulative_sizes, index)
+        local = index - (self.cumulative_sizes[which - 1] if which else 0)
+        return self.datasets[which][local if seed is None else (local, seed)]

@@ -1,0 +1,17 @@
+"""Shared fixtures: a tiny toy dataset (12 trainval + 6 test images) for the training and tool tests."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+from tiny_run import TINY_TOY
+
+from wsod.data.toy import ensure_toy_dataset
+
+
+@pytest.fixture(scope="session")
+def tiny_toy_root(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    root = tmp_path_factory.mktemp("tiny_toy") / "toy"
+    ensure_toy_dataset(root, workers=1, **TINY_TOY)
+    return root

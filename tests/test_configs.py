@@ -1,0 +1,72 @@
+"""Every config file composes; experiment recipes carry SPEC section 8's numbers; struct mode is on."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+from hydra import compose, initialize_config_dir
+from hydra.errors import ConfigCompositionException
+from omegaconf import OmegaConf
+
+CONFIGS = Path(__file__).resolve().parents[1] / "configs"
+
+
+def _compose(name: str, overrides: list[str]):
+    with initialize_config_dir(config_dir=str(CONFIGS), version_base="1.3"):
+        return compose(config_name=name, overrides=overrides)
+
+
+def _names(group: str) -> list[str]:
+    return sorted(p.stem for p in (CONFIGS / group).glob("*.yaml"))
+
+
+@pytest.mark.parametrize("group", ["data", "model", "solver", "experiment"])
+def test_every_group_option_composes(group):
+    assert _names(group), f"no configs in {group}/"
+    for name in _names(group):
+        cfg = _compose("train", [f"{group}={name}"])
+        OmegaConf.to_container(cfg, resolve=True, throw_on_missing=False)
+        assert {"data", "model", "solver", "seed", "output_dir"} <= set(cfg)
+
+
+def test_eval_config_needs_an_explicit_checkpoint():
+    cfg = _compose("eval", ["checkpoint=some/model_final.pth", "data=voc07"])
+    assert cfg.checkpoint == "some/model_final.pth" and cfg.predictions is None
+    assert OmegaConf.is_missing(_compose("eval", []), "checkpoint")
+
+
+def test_defaults_are_the_cpu_toy_run_with_sequential_backprop():
+    cfg = _compose("train", [])
+    assert cfg.data.kind == "toy" and cfg.model.backbone == "resnet18" and cfg.model.width == 0.25
+    assert cfg.model.chunk_size is not None and cfg.model.neck_norm in ("gn", "frozen_bn")
+
+
+@pytest.mark.parametrize("name", [n for n in _names("experiment") if "voc" in n])
+def test_voc_experiments_carry_the_reference_recipe(name):
+    cfg = _compose("train", [f"experiment={name}"])
+    s = cfg.solver
+    assert (s.optimizer, s.lr, s.momentum, s.weight_decay) == ("sgd", 0.01, 0.9, 1e-4)
+    assert (s.bias_lr_factor, s.bias_weight_decay) == (2.0, 0.0)
+    assert (s.warmup_iters, s.warmup_factor) == (200, pytest.approx(1 / 3))
+    assert (list(s.milestones), s.max_iter, s.gamma) == ([20000, 26700], 30000, 0.1)
+    assert s.ims_per_batch == 1 and s.accumulation == (8 if name.endswith("_1gpu") else 1)
+    assert cfg.seed == 1234
+    assert list(cfg.data.train.scales) == [480, 576, 688, 864, 1000, 1200] and cfg.data.train.max_size == 2000
+    assert cfg.data.train.flip and cfg.data.kind == "voc"
+    assert cfg.model.weights == "IMAGENET1K_V1" and cfg.model.norm == "frozen_bn"
+
+
+@pytest.mark.parametrize("name", [n for n in _names("experiment") if "coco" in n])
+def test_coco_experiments_carry_the_reference_recipe(name):
+    cfg = _compose("train", [f"experiment={name}"])
+    assert (list(cfg.solver.milestones), cfg.solver.max_iter) == ([90000, 120000], 130000)
+    assert cfg.solver.accumulation == (8 if name.endswith("_1gpu") else 1)
+    assert cfg.data.kind == "coco"
+
+
+def test_a_mistyped_override_is_an_error():
+    with pytest.raises(ConfigCompositionException):
+        _compose("train", ["solver.learning_rate=0.1"])
+    with pytest.raises(ConfigCompositionException):
+        _compose("train", ["model=r50"])

@@ -1,0 +1,25 @@
+"""Evaluate a checkpoint: ``python tools/eval.py checkpoint=PATH [hydra overrides]`` (configs/eval.yaml).
+
+The checkpoint is always named explicitly. Predictions are recomputed unless ``predictions=FILE`` names a
+file written by an earlier evaluation of the same images.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import hydra
+from omegaconf import DictConfig
+
+from wsod.run import evaluate_from_config
+
+CONFIGS = str(Path(__file__).resolve().parents[1] / "configs")
+
+
+@hydra.main(config_path=CONFIGS, config_name="eval", version_base="1.3")
+def main(cfg: DictConfig) -> None:
+    evaluate_from_config(cfg)
+
+
+if __name__ == "__main__":
+    main()
