@@ -56,3 +56,4 @@ def test_find_max_rois_brackets_then_bisects(limit, start):
     found = find_max_rois(fits, start)
     assert limit - max(1, limit // 64) <= found <= limit
     assert len(probes) < 30
+    assert find_max_rois(fits, start, limit=500) == (500 if limit >= 500 else found)

@@ -146,12 +146,18 @@ def _run_measurement(
     warmup: int,
     amp: bool,
     threads: int | None,
+    memory_limit_mb: float | None = None,
 ) -> tuple[float, float, float, str]:
     """Build, step, measure in this process: (peak MB above baseline, median step ms, baseline MB,
-    status)."""
+    status). On CUDA, ``memory_limit_mb`` caps the caching allocator so that exceeding it is a real
+    out-of-memory error, as on a smaller card."""
     if threads:
         torch.set_num_threads(threads)
     device = torch.device(device_name)
+    if device.type == "cuda":
+        total = torch.cuda.get_device_properties(device).total_memory
+        fraction = 1.0 if memory_limit_mb is None else min(1.0, memory_limit_mb * 2**20 / total)
+        torch.cuda.set_per_process_memory_fraction(fraction, device)
     torch.manual_seed(0)
     model = build_benchmark_model(model_name, strategy, chunk).to(device).train()
     optimizer = torch.optim.SGD(model.parameters(), lr=1e-4, momentum=0.9)
@@ -227,6 +233,7 @@ def measure(
     amp: bool = False,
     threads: int | None = None,
     timed: bool = True,
+    memory_limit_gb: float | None = None,
 ) -> Measurement:
     """One measurement (``timed=False``: memory only, one step).
 
@@ -236,8 +243,9 @@ def measure(
     of the fused strategy reads 10x too high); the other times the steps with the default allocator,
     since an mmap per tensor would slow them down.
     """
-    args = (model, strategy, chunk, rois, image_size, device, steps, warmup, amp, threads)
-    memory_args = (*args[:6], 1, 0, amp, threads)
+    limit_mb = None if memory_limit_gb is None else memory_limit_gb * 1024
+    args = (model, strategy, chunk, rois, image_size, device, steps, warmup, amp, threads, limit_mb)
+    memory_args = (*args[:6], 1, 0, amp, threads, limit_mb)
     if torch.device(device).type == "cpu":
         peak, _, baseline, status = _in_fresh_process(memory_args, {"MALLOC_MMAP_THRESHOLD_": "65536"})
         step_ms = _in_fresh_process(args, {})[1] if timed else math.nan
@@ -280,13 +288,13 @@ def find_max_rois(fits: Callable[[int], bool], start: int, limit: int = 1 << 20)
     """Largest ROI count n with ``fits(n)``: doubling from ``start`` to bracket, then bisection.
 
     ``fits`` runs a real step (CUDA: catches out-of-memory) and compares its peak with the budget.
-    Returns 0 when even one ROI does not fit.
+    Returns 0 when even one ROI does not fit, and ``limit`` when ``limit`` ROIs fit.
     """
-    low, high = 0, max(1, start)
+    low, high = 0, min(max(1, start), limit)
     while fits(high):
-        low, high = high, 2 * high
-        if high > limit:
-            return low
+        if high == limit:
+            return limit  # the search stops here: the true maximum is at least this
+        low, high = high, min(2 * high, limit)
     while high - low > max(1, low // 64):  # 1.5 % resolution is plenty for a capacity figure
         middle = (low + high) // 2
         if fits(middle):
