@@ -9,6 +9,7 @@ import torch
 from torch.utils.data.distributed import DistributedSampler
 
 from wsod.data.benchmark import measure_loader_throughput
+from wsod.data.dataset import ConcatWeakDataset
 from wsod.data.loader import (
     MODEL_INPUT_KEYS,
     GroupedBatchSampler,
@@ -160,3 +161,21 @@ def test_throughput_measurement_counts_images(tiny_toy):
     result = measure_loader_throughput(build_train_loader(dataset, 2, num_workers=0), num_batches=7)
     assert result.images == 14 and result.batches == 7 and result.images_per_second > 0
     assert result.proposals_per_image > 10
+
+
+def test_concatenated_datasets_keep_sizes_ids_and_seeded_indexing(tiny_toy):
+    transform = train_transform((48, 64, 80), 200, flip_prob=0.5)
+    first, second = (
+        tiny_toy.dataset("trainval", transform=transform),
+        tiny_toy.dataset("test", transform=transform),
+    )
+    both = ConcatWeakDataset([first, second])
+    assert len(both) == len(first) + len(second) and both.num_classes == first.num_classes
+    assert both.image_ids == first.image_ids + second.image_ids
+    assert both.image_sizes == first.image_sizes + second.image_sizes
+    last = len(first) + 1
+    ours, theirs = both[(last, 77)], second[(1, 77)]
+    assert ours["image_id"] == theirs["image_id"] == second.image_ids[1]
+    torch.testing.assert_close(ours["image"], theirs["image"], rtol=0, atol=0)
+    batch = next(iter(build_train_loader(both, 2, num_workers=0, seed=0)))
+    assert batch["images"].shape[0] == 2
