@@ -186,7 +186,8 @@ def evaluate_from_config(cfg: DictConfig) -> dict[str, float]:
             f"{cfg.checkpoint} was trained on classes {metadata['classes']}, the test set has"
             f" {list(test_set.classes)}"
         )
-    model = build_model(metadata["model"], test_set.num_classes)
+    # The checkpoint holds every weight: do not fetch ImageNet weights only to overwrite them.
+    model = build_model({**metadata["model"], "weights": None}, test_set.num_classes)
     model.load_state_dict(checkpoint["model"])
     model.to(device).eval()
     if cfg.predictions:
