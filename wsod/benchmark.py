@@ -178,7 +178,7 @@ def _run_measurement(
             _synchronize(device)
             if step >= warmup:
                 times.append(time.perf_counter() - start)
-    except torch.cuda.OutOfMemoryError:  # torch.OutOfMemoryError only exists from 2.5
+    except torch.cuda.OutOfMemoryError:  # the CUDA name: present in every torch this package supports
         del model, optimizer, batch
         torch.cuda.empty_cache()
         return math.nan, math.nan, baseline, "oom"
