@@ -11,7 +11,6 @@ Prints a table and writes results.csv, results.md and memory_time.png into --out
 from __future__ import annotations
 
 import argparse
-import math
 from pathlib import Path
 
 import torch
@@ -19,11 +18,14 @@ import torch
 from wsod.benchmark import (
     MODELS,
     STRATEGIES,
-    find_max_rois,
     format_table,
+    largest_within_budget,
     measure,
     plot,
+    predicted_max_rois,
     slopes,
+    strategy_label,
+    summarize,
     write_csv,
     write_markdown,
 )
@@ -97,66 +99,25 @@ def main(argv: list[str] | None = None) -> None:
                 flush=True,
             )
 
-    fit = slopes(measurements)
-    summary = [
-        f"Peak memory above baseline and median step time; {measurements[0].model}, image "
-        f"{measurements[0].image_size}, {measurements[0].device}.",
-        "",
-        "Per-ROI memory slope (linear fit):",
-    ]
-    baseline = max(m.baseline_mb for m in measurements)
-    for label, (slope, intercept) in fit.items():
-        predicted = ", ".join(
-            f"{gb} GB: {max(0, int((gb * 1024 - baseline - intercept) / slope)) if slope > 0 else math.inf}"
-            for gb in (16, 24, 80)
-        )
-        summary.append(
-            f"- {label}: {slope:.4f} MB/ROI, intercept {intercept:.0f} MB; predicted max ROIs {predicted}"
-        )
-    by_strategy = {(m.strategy, m.chunk, m.dtype, m.rois): m.step_ms for m in measurements}
-    for m in measurements:
-        plain_ms = by_strategy.get(("plain", None, m.dtype, m.rois))
-        if m.strategy != "plain" and plain_ms and m.status == "ok":
-            summary.append(
-                f"- time ratio {m.strategy} (chunk {m.chunk}) / plain at {m.rois} ROIs "
-                f"{m.dtype}: {m.step_ms / plain_ms:.2f}"
-            )
-
+    summary = summarize(measurements)
     if args.budget_gb:
-        budget_mb = args.budget_gb * 1024
         summary += [
             "",
             f"Largest ROI count within {args.budget_gb} GB, model and batch included (binary search over real"
             " steps; on CUDA the allocator is capped at the budget, so the limit is a real out-of-memory):",
         ]
+        fit = slopes(measurements)
+        baseline = max(m.baseline_mb for m in measurements)
         for strategy, chunk, amp in runs:
-
-            def fits(rois: int, strategy=strategy, chunk=chunk, amp=amp) -> bool:
-                m = measure(
-                    args.model,
-                    strategy,
-                    chunk,
-                    rois,
-                    amp=amp,
-                    timed=False,
-                    memory_limit_gb=args.budget_gb,
-                    **options,
-                )
-                ok = m.status == "ok" and m.peak_mb + m.baseline_mb <= budget_mb
-                print(
-                    f"  probe {strategy} chunk={chunk} rois={rois}: {m.peak_mb + m.baseline_mb:.0f} MB "
-                    f"{'fits' if ok else 'does not fit'}",
-                    flush=True,
-                )
-                return ok
-
-            label = f"{strategy}" + (f" (chunk {chunk})" if chunk else "") + (" bf16" if amp else "")
+            label = strategy_label(strategy, chunk, amp)
             start = max(args.rois)
-            if label in fit and fit[label][0] > 0:  # start the search near the linear prediction
-                start = max(1, int((budget_mb - baseline - fit[label][1]) / fit[label][0] / 2))
-            found = find_max_rois(fits, min(start, args.budget_max_rois), limit=args.budget_max_rois)
-            capped = ">= " if found == args.budget_max_rois else ""
-            summary.append(f"- {label}: {capped}{found}")
+            if label in fit and fit[label][0] > 0:  # start the search near half the linear prediction
+                start = max(1, int(predicted_max_rois(*fit[label], baseline, args.budget_gb) / 2))
+            found = largest_within_budget(
+                args.model, strategy, chunk, amp, budget_gb=args.budget_gb, max_rois=args.budget_max_rois,
+                start=start, **options,
+            )  # fmt: skip
+            summary.append(f"- {label}: {'>= ' if found == args.budget_max_rois else ''}{found}")
 
     table = format_table(measurements)
     text = "\n".join(summary)

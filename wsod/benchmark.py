@@ -41,6 +41,12 @@ __all__ = [
     "measure",
     "linear_fit",
     "find_max_rois",
+    "largest_within_budget",
+    "strategy_label",
+    "predicted_max_rois",
+    "summarize",
+    "format_table",
+    "slopes",
     "write_csv",
     "write_markdown",
     "plot",
@@ -312,69 +318,132 @@ def write_csv(measurements: Iterable[Measurement], path: Path) -> None:
             writer.writerow(asdict(m))
 
 
-def _label(m: Measurement) -> str:
-    chunk = f" (chunk {m.chunk})" if m.chunk else ""
-    return f"{m.strategy}{chunk}" + (" bf16" if m.dtype == "bf16" else "")
+def strategy_label(strategy: str, chunk: int | None, amp: bool) -> str:
+    return f"{strategy}" + (f" (chunk {chunk})" if chunk else "") + (" bf16" if amp else "")
+
+
+def _label_of(m: Measurement) -> str:
+    return strategy_label(m.strategy, m.chunk, m.dtype == "bf16")
+
+
+def _by_label(measurements: Sequence[Measurement], ok_only: bool = False) -> dict[str, list[Measurement]]:
+    """Measurements grouped by strategy label (strategy, chunk, dtype), each group sorted by ROI count."""
+    grouped: dict[str, list[Measurement]] = {}
+    for m in measurements:
+        if m.status == "ok" or not ok_only:
+            grouped.setdefault(_label_of(m), []).append(m)
+    return {label: sorted(ms, key=lambda m: m.rois) for label, ms in grouped.items()}
+
+
+def _cells(measurements: Sequence[Measurement], ok: Callable[[Measurement], str], missing: str) -> dict:
+    """Per label, one cell per ROI count of the whole table: ``ok(m)``, the status in capitals, or
+    ``missing`` where that count was not measured."""
+    rois = sorted({m.rois for m in measurements})
+    table = {}
+    for label, ms in _by_label(measurements).items():
+        by_rois = {m.rois: m for m in ms}
+        table[label] = [
+            missing
+            if r not in by_rois
+            else ok(by_rois[r])
+            if by_rois[r].status == "ok"
+            else by_rois[r].status.upper()
+            for r in rois
+        ]
+    return table
 
 
 def format_table(measurements: Sequence[Measurement]) -> str:
     """Plain-text table: one row per (strategy, chunk, dtype), one column pair per ROI count."""
     rois = sorted({m.rois for m in measurements})
-    rows: dict[str, dict[int, Measurement]] = {}
-    for m in measurements:
-        rows.setdefault(_label(m), {})[m.rois] = m
     header = f"{'strategy':<24}" + "".join(f"{f'{r} ROIs MB':>14}{'ms':>9}" for r in rois)
+    cells = _cells(measurements, lambda m: f"{m.peak_mb:>14.1f}{m.step_ms:>9.0f}", "")
     lines = [header, "-" * len(header)]
-    for label, by_rois in rows.items():
-        cells = []
-        for r in rois:
-            m = by_rois.get(r)
-            if m is None:
-                cells.append(f"{'':>14}{'':>9}")
-            elif m.status != "ok":
-                cells.append(f"{m.status.upper():>14}{'':>9}")
-            else:
-                cells.append(f"{m.peak_mb:>14.1f}{m.step_ms:>9.0f}")
-        lines.append(f"{label:<24}" + "".join(cells))
+    lines += [f"{label:<24}" + "".join(f"{cell:>23}" for cell in row) for label, row in cells.items()]
     return "\n".join(lines)
 
 
 def slopes(measurements: Sequence[Measurement]) -> dict[str, tuple[float, float]]:
     """Per strategy label: (MB per extra ROI, intercept MB) from a linear fit of the ok rows."""
-    grouped: dict[str, list[Measurement]] = {}
-    for m in measurements:
-        if m.status == "ok":
-            grouped.setdefault(_label(m), []).append(m)
     return {
         label: linear_fit([m.rois for m in ms], [m.peak_mb for m in ms])
-        for label, ms in grouped.items()
+        for label, ms in _by_label(measurements, ok_only=True).items()
         if len({m.rois for m in ms}) >= 2
     }
+
+
+def predicted_max_rois(slope: float, intercept: float, baseline_mb: float, budget_gb: float) -> float:
+    """ROI count at which the linear fit reaches ``budget_gb`` with ``baseline_mb`` already taken."""
+    return max(0, int((budget_gb * 1024 - baseline_mb - intercept) / slope)) if slope > 0 else math.inf
+
+
+def summarize(measurements: Sequence[Measurement]) -> list[str]:
+    """Lines for the report: per-ROI slope and intercept of each strategy, the ROI counts they predict
+    for 16, 24 and 80 GB, and each strategy's step time relative to plain autograd."""
+    first = measurements[0]
+    lines = [
+        f"Peak memory above baseline and median step time; {first.model}, image {first.image_size},"
+        f" {first.device}.",
+        "",
+        "Per-ROI memory slope (linear fit):",
+    ]
+    baseline = max(m.baseline_mb for m in measurements)
+    for label, (slope, intercept) in slopes(measurements).items():
+        predicted = ", ".join(
+            f"{gb} GB: {predicted_max_rois(slope, intercept, baseline, gb)}" for gb in (16, 24, 80)
+        )
+        lines.append(
+            f"- {label}: {slope:.4f} MB/ROI, intercept {intercept:.0f} MB; predicted max ROIs {predicted}"
+        )
+    plain_ms = {
+        (m.dtype, m.rois): m.step_ms for m in measurements if m.strategy == "plain" and m.status == "ok"
+    }
+    for m in measurements:
+        if m.strategy != "plain" and m.status == "ok" and (m.dtype, m.rois) in plain_ms:
+            ratio = m.step_ms / plain_ms[(m.dtype, m.rois)]
+            lines.append(f"- time ratio {_label_of(m)} / plain at {m.rois} ROIs {m.dtype}: {ratio:.2f}")
+    return lines
+
+
+def largest_within_budget(
+    model: str,
+    strategy: str,
+    chunk: int | None,
+    amp: bool,
+    *,
+    budget_gb: float,
+    max_rois: int,
+    start: int,
+    **options,
+) -> int:
+    """The most ROIs whose training step fits ``budget_gb``, model and batch included, by binary search
+    over real steps (``find_max_rois``); ``max_rois`` when even that many fit. On CUDA the allocator is
+    capped at the budget, so not fitting is a real out-of-memory error."""
+
+    def fits(rois: int) -> bool:
+        m = measure(model, strategy, chunk, rois, amp=amp, timed=False, memory_limit_gb=budget_gb, **options)
+        ok = m.status == "ok" and m.peak_mb + m.baseline_mb <= budget_gb * 1024
+        print(
+            f"  probe {strategy_label(strategy, chunk, amp)} rois={rois}: {m.peak_mb + m.baseline_mb:.0f} MB "
+            f"{'fits' if ok else 'does not fit'}",
+            flush=True,
+        )
+        return ok
+
+    return find_max_rois(fits, min(start, max_rois), limit=max_rois)
 
 
 def write_markdown(measurements: Sequence[Measurement], path: Path, extra: str = "") -> None:
     """Markdown table (peak MB / step ms per ROI count) and the per-ROI slope of each strategy."""
     rois = sorted({m.rois for m in measurements})
-    rows: dict[str, dict[int, Measurement]] = {}
-    for m in measurements:
-        rows.setdefault(_label(m), {})[m.rois] = m
     fit = slopes(measurements)
     lines = [
         "| strategy | " + " | ".join(f"{r} ROIs: MB / ms" for r in rois) + " | MB per ROI |",
         "|---" * (len(rois) + 2) + "|",
     ]
-    for label, by_rois in rows.items():
-        cells = []
-        for r in rois:
-            m = by_rois.get(r)
-            if m is None:
-                cells.append("")
-            elif m.status != "ok":
-                cells.append(m.status.upper())
-            else:
-                cells.append(f"{m.peak_mb:.0f} / {m.step_ms:.0f}")
+    for label, row in _cells(measurements, lambda m: f"{m.peak_mb:.0f} / {m.step_ms:.0f}", "").items():
         slope = f"{fit[label][0]:.3f}" if label in fit else ""
-        lines.append(f"| {label} | " + " | ".join(cells) + f" | {slope} |")
+        lines.append(f"| {label} | " + " | ".join(row) + f" | {slope} |")
     Path(path).write_text("\n".join(lines) + "\n" + (f"\n{extra}\n" if extra else ""))
 
 
@@ -385,13 +454,8 @@ def plot(measurements: Sequence[Measurement], path: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    rows: dict[str, list[Measurement]] = {}
-    for m in measurements:
-        if m.status == "ok":
-            rows.setdefault(_label(m), []).append(m)
     figure, (memory_axis, time_axis) = plt.subplots(1, 2, figsize=(11, 4.2))
-    for label, ms in rows.items():
-        ms = sorted(ms, key=lambda m: m.rois)
+    for label, ms in _by_label(measurements, ok_only=True).items():
         x = [m.rois for m in ms]
         memory_axis.plot(x, [m.peak_mb for m in ms], marker="o", label=label)
         time_axis.plot(x, [m.step_ms for m in ms], marker="o", label=label)
