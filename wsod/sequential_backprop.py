@@ -176,26 +176,19 @@ class _SequentialBackpropFunction(torch.autograd.Function):
             grads = torch.autograd.grad(
                 out, wrt_inputs + grad_params, grad_output[start:end], allow_unused=True
             )
-            grads_iter = iter(grads)
-            for i, wants in enumerate(input_wants_grad):
-                if not wants:
-                    continue
-                g = next(grads_iter)
+            wanted_inputs = [i for i, wants in enumerate(input_wants_grad) if wants]
+            wanted_params = [j for j, wants in enumerate(param_wants_grad) if wants]
+            for i, g in zip(wanted_inputs, grads[: len(wrt_inputs)], strict=True):
                 if g is None:
                     continue
                 if plan.is_split(i, inputs[i]):
                     input_grads[i][start:end] = g
                 else:
                     input_grads[i] += g
-            p_index = 0
-            for j, wants in enumerate(param_wants_grad):
-                if not wants:
-                    continue
-                g = grads[len(wrt_inputs) + p_index]
-                p_index += 1
+            for j, g in zip(wanted_params, grads[len(wrt_inputs) :], strict=True):
                 if g is not None:
                     param_grads[j] = g if param_grads[j] is None else param_grads[j] + g
-            del out, grads, grads_iter, chunk, wrt_inputs
+            del out, grads, chunk, wrt_inputs
 
         return (None, None, None, None, *input_grads, *param_grads)
 

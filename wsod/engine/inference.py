@@ -9,7 +9,6 @@ proposals are filtered before any transform.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from contextlib import nullcontext
 from typing import Any
 
 import torch
@@ -21,6 +20,7 @@ from tqdm import tqdm
 from wsod.data.loader import collate, model_inputs
 from wsod.data.proposals import filter_proposals, whole_image_box
 from wsod.data.transforms import test_transform
+from wsod.engine.train import autocast
 from wsod.modeling.detector import WeaklySupervisedDetector
 
 __all__ = ["MultiViewDataset", "predict", "random_detections", "annotations_of"]
@@ -86,11 +86,6 @@ def predict(
         collate_fn=_collate_views,
         num_workers=num_workers,
     )
-    autocast = (
-        torch.autocast(device.type, dtype={"bf16": torch.bfloat16, "fp16": torch.float16}[amp])
-        if amp and device.type == "cuda"
-        else nullcontext()
-    )
     was_training = model.training
     model.eval()
     results: Detections = []
@@ -101,7 +96,7 @@ def predict(
         totals: list[list[Tensor]] | None = None
         for batch in batches:
             inputs = model_inputs(batch, device)
-            with autocast:
+            with autocast(device, amp):
                 features = model.roi_features(inputs["images"], inputs["proposals"])
             per_roi = model.predict_rois(
                 features.float(), inputs["proposals"], inputs["image_sizes"], inputs["original_sizes"]

@@ -31,7 +31,7 @@ from tqdm.contrib.logging import logging_redirect_tqdm
 from wsod.data.loader import model_inputs
 from wsod.engine.checkpoint import latest_valid_checkpoint, list_checkpoints, save_checkpoint
 
-__all__ = ["train", "rng_state", "set_rng_state", "NonFiniteLossError"]
+__all__ = ["train", "autocast", "rng_state", "set_rng_state", "NonFiniteLossError"]
 
 logger = logging.getLogger(__name__)
 
@@ -73,8 +73,9 @@ def _reduce_losses(losses: dict[str, torch.Tensor]) -> dict[str, float]:
     return dict(zip(names, values.tolist(), strict=True))
 
 
-def _autocast(device: torch.device, amp: str | None):
-    if not amp:
+def autocast(device: torch.device, amp: str | None):
+    """Autocast to "bf16" or "fp16" on CUDA; a no-op for ``amp=None`` and on other devices."""
+    if not amp or device.type != "cuda":
         return nullcontext()
     dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}[amp]
     return torch.autocast(device.type, dtype=dtype)
@@ -203,7 +204,7 @@ def train(
             for micro in range(accumulation):
                 inputs = model_inputs(next(batches), device)
                 sync = micro == accumulation - 1 or not isinstance(model, nn.parallel.DistributedDataParallel)
-                with model.no_sync() if not sync else nullcontext(), _autocast(device, amp):
+                with model.no_sync() if not sync else nullcontext(), autocast(device, amp):
                     losses = model(**inputs)
                     total = sum(losses.values())
                 scaler.scale(total / accumulation).backward()
