@@ -89,3 +89,36 @@ def test_roi_head_modes_agree():
     assert all(torch.allclose(o, outputs[0], atol=1e-6) for o in outputs)
     pooled = RoIFeatureHead(build_roi_pooler("pool"), res5, chunk_size=2)
     assert pooled(features, rois).shape == (3, 128)
+
+
+def test_bf16_autocast_keeps_base_and_neck_activations_in_bf16():
+    base, res5 = build_resnet_c4(18, width=0.25, norm="frozen_bn")
+    dtypes: dict[str, torch.dtype] = {}
+    for prefix, part in (("base", base), ("res5", res5)):
+        for name, module in part.named_modules():
+            if not list(module.children()):  # leaves: conv, frozen BN, ReLU, max-pool
+                module.register_forward_hook(
+                    lambda _m, _i, out, name=f"{prefix}.{name}": dtypes.__setitem__(name, out.dtype)
+                )
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        features = base(torch.randn(1, 3, 64, 64))
+        res5(torch.randn(2, features.shape[1], 14, 14))
+    assert any(".bn" in name for name in dtypes) and len(dtypes) > 20
+    assert {name for name, dtype in dtypes.items() if dtype != torch.bfloat16} == set()
+
+
+def test_frozen_batchnorm_equals_torchvisions_in_float32_and_keeps_bf16():
+    from torchvision.ops.misc import FrozenBatchNorm2d as TorchvisionFrozenBN
+
+    from wsod.modeling.frozen_bn import FrozenBatchNorm2d
+
+    torch.manual_seed(0)
+    ours, theirs = FrozenBatchNorm2d(8), TorchvisionFrozenBN(8)
+    for buffer in ("weight", "bias", "running_mean"):
+        getattr(ours, buffer).normal_()
+    ours.running_var.uniform_(0.5, 2.0)
+    theirs.load_state_dict(ours.state_dict())
+    x = torch.randn(2, 8, 5, 5)
+    assert torch.equal(ours(x), theirs(x))
+    assert ours(x.bfloat16()).dtype == torch.bfloat16
+    assert theirs(x.bfloat16()).dtype == torch.float32  # the promotion this class exists to avoid

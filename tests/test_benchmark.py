@@ -5,10 +5,12 @@ from __future__ import annotations
 import csv
 import importlib.util
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
+import torch
 
-from wsod.benchmark import find_max_rois, linear_fit
+from wsod.benchmark import cap_cuda_memory, find_max_rois, linear_fit
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -57,3 +59,18 @@ def test_find_max_rois_brackets_then_bisects(limit, start):
     assert limit - max(1, limit // 64) <= found <= limit
     assert len(probes) < 30
     assert find_max_rois(fits, start, limit=500) == (500 if limit >= 500 else found)
+
+
+def test_cuda_budget_passes_an_integer_device_index(monkeypatch):
+    # No GPU here: torch.cuda is mocked. set_per_process_memory_fraction refuses a bare "cuda" device.
+    calls = []
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 3)
+    monkeypatch.setattr(
+        torch.cuda, "get_device_properties", lambda index: SimpleNamespace(total_memory=64 * 2**30)
+    )
+    record = lambda fraction, device: calls.append((fraction, device))
+    monkeypatch.setattr(torch.cuda, "set_per_process_memory_fraction", record)
+    assert cap_cuda_memory(torch.device("cuda"), 16 * 1024) == torch.device("cuda", 3)
+    assert cap_cuda_memory(torch.device("cuda", 1), None) == torch.device("cuda", 1)
+    assert calls == [(0.25, 3), (1.0, 1)]
+    assert all(type(device) is int for _, device in calls)

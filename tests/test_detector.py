@@ -155,3 +155,28 @@ def test_inference_returns_nms_detections_in_original_pixels():
         assert torch.equal(s_scores, l_scores)
         assert torch.allclose(2 * s_boxes, l_boxes)
         assert torch.allclose(s_scores.sum(dim=1), torch.ones(len(s_scores)))
+
+
+@pytest.mark.parametrize(
+    "labels",
+    [((0, 0, 0),), ((0, 0, 0), (0, 0, 0)), ((0, 0, 0), (1, 0, 1))],
+    ids=["one-image-no-positive", "two-images-no-positive", "mixed"],
+)
+def test_one_training_step_on_images_without_a_positive_class(labels):
+    # VOC image labels skip difficult objects: an image whose objects are all difficult has none.
+    counts = (2, 7)[: len(labels)]
+    model = _tiny(4)
+    optimizer = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=0.1)
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    losses = model(*_batch(counts=counts, labels=labels))
+    assert all(torch.isfinite(v) for v in losses.values())
+    student_losses = {k: v for k, v in losses.items() if k.startswith("loss_ref")}
+    if not any(any(row) for row in labels):
+        # The MIL loss alone: every student has only zero-weight background ROIs.
+        assert losses["loss_mil"] > 0 and all(v == 0 for v in student_losses.values())
+    else:
+        assert losses["loss_ref_cls_1"] > 0
+    sum(losses.values()).backward()
+    optimizer.step()
+    assert all(torch.isfinite(p).all() for p in model.parameters())
+    assert any(not torch.equal(p, before[n]) for n, p in model.named_parameters())

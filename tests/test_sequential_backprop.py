@@ -175,24 +175,35 @@ def test_each_parameter_gradient_is_accumulated_once_per_backward():
     assert set(counts.values()) == {2}
 
 
-def test_forward_runs_once_per_chunk_in_backward_and_once_in_eval():
+def test_forward_runs_once_per_chunk_in_backward_and_in_chunks_without_grad():
     module = nn.Linear(4, 2)
     calls = []
-    module.register_forward_hook(lambda *_: calls.append(1))
-    wrapper = SequentialBackprop(module, 3)
-    out = wrapper(torch.randn(10, 4))  # 4 chunks
-    assert len(calls) == 4
+    module.register_forward_hook(lambda _m, inputs, _o: calls.append(len(inputs[0])))
+    wrapper = SequentialBackprop(module, 3, inference_chunk_size=4)
+    out = wrapper(torch.randn(10, 4))
+    assert calls == [3, 3, 3, 1]
     out.sum().backward()
-    assert len(calls) == 8
+    assert calls == [3, 3, 3, 1] * 2
+
+    # Without a graph (evaluation) the module still runs chunk by chunk, in inference chunks:
+    # transient memory of one chunk, and the same result as one call.
     calls.clear()
-    wrapper.eval()
-    wrapper(torch.randn(10, 4))
-    assert len(calls) == 1
-    calls.clear()
-    wrapper.train()
+    x = torch.randn(10, 4)
     with torch.no_grad():
-        wrapper(torch.randn(10, 4))
-    assert len(calls) == 1
+        out = wrapper(x)
+    assert calls == [4, 4, 2] and not out.requires_grad
+    assert torch.allclose(out, module(x))
+
+    # A gradient needed in eval mode runs the recompute Function, as in training.
+    calls.clear()
+    wrapper.eval()(x).sum().backward()
+    assert calls == [3, 3, 3, 1] * 2
+
+    calls.clear()
+    with torch.no_grad():
+        SequentialBackprop(module, 3, inference_chunk_size=100)(x)
+        SequentialBackprop(module, None)(x)
+    assert calls == [10, 10]
 
 
 def test_edge_cases_input_without_grad_empty_batch_and_no_chunking():
@@ -258,3 +269,34 @@ def test_autocast_state_is_restored_in_the_recompute():
     # Without autocast the float32 gradients differ: the recompute really ran in bfloat16.
     _, fp32_grads = _run(module, chunked_plain, [x])
     assert any(_max_rel_err(g, r) > 1e-4 for g, r in zip(grads, fp32_grads, strict=True))
+
+
+class _SharedScale(nn.Module):
+    """features (1, D) shared by every sample, x (N, D) split: out = tanh(x * features), (N, D)."""
+
+    def forward(self, features: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        return torch.tanh(x * features)
+
+
+def test_shared_input_gradient_of_a_bf16_feature_map_is_summed_in_float32():
+    torch.manual_seed(0)
+    count, width, chunk = 64, 32, 4
+    features = (torch.randn(1, width) * 0.5).bfloat16().requires_grad_()
+    x = torch.randn(count, width).bfloat16()
+    grad_out = torch.randn(count, width).bfloat16()
+    SequentialBackprop(_SharedScale(), chunk, shared_inputs=(0,))(features, x).backward(grad_out)
+    assert features.grad.dtype == torch.bfloat16
+
+    # Reference: each chunk's bf16 gradient from plain autograd, summed in float32, rounded once.
+    chunk_grads = []
+    for start in range(0, count, chunk):
+        leaf = features.detach().requires_grad_()
+        out = _SharedScale()(leaf, x[start : start + chunk])
+        chunk_grads.append(torch.autograd.grad(out, leaf, grad_out[start : start + chunk])[0])
+    reference = torch.stack(chunk_grads).float().sum(dim=0).bfloat16()
+    assert torch.equal(features.grad, reference)
+    # Summing in bf16 instead (the accumulator in the feature map's dtype) rounds differently.
+    in_bf16 = torch.zeros_like(features)
+    for g in chunk_grads:
+        in_bf16 += g
+    assert not torch.equal(in_bf16, reference)

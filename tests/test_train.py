@@ -54,7 +54,7 @@ def test_train_tool_writes_a_complete_run_directory_and_eval_tool_reads_it(tiny_
     eval_dir = tmp_path / "eval"
     data = [o for o in tiny_overrides(tiny_toy_root, run_dir) if o.startswith("data.")]
     common = [f"checkpoint={run_dir / 'model_final.pth'}", "progress=false", *data]
-    output = _run(["tools/eval.py", *common, f"hydra.run.dir={eval_dir}"])
+    output = _run(["tools/eval.py", *common, f"output_dir={eval_dir}"])
     fresh = json.loads((eval_dir / "metrics.json").read_text())
     trained = json.loads((run_dir / "eval" / "metrics.json").read_text())
     assert fresh["mAP"] == pytest.approx(trained["mAP"]) and fresh["CorLoc"] == pytest.approx(
@@ -66,7 +66,7 @@ def test_train_tool_writes_a_complete_run_directory_and_eval_tool_reads_it(tiny_
             "tools/eval.py",
             *common,
             f"predictions={eval_dir / 'predictions.pth'}",
-            f"hydra.run.dir={reused_dir}",
+            f"output_dir={reused_dir}",
         ]
     )
     assert "reusing predictions" in output
@@ -105,12 +105,20 @@ def _losses(run_dir: Path) -> list[float]:
     return [r["loss_total"] for r in rows if r["kind"] == "train"]
 
 
-def test_ddp_two_gloo_processes_match_one_process_at_the_same_global_batch(tiny_toy_root, tmp_path):
+@pytest.mark.parametrize("accumulation", [1, 2])
+def test_ddp_two_gloo_processes_match_one_process_at_the_same_global_batch(
+    tiny_toy_root, tmp_path, accumulation
+):
     # GroupNorm in the base: train-mode BatchNorm statistics are per process (no SyncBN), so they would
     # differ between 1 x 2 and 2 x 1 images by design.
     # SGD: AdamW divides by running gradient magnitudes, which turns float32 rounding of near-zero
     # gradients into visible weight differences; SGD keeps weights linear in the gradients.
-    extra = {"model.norm": "gn", "solver.optimizer": "sgd", "solver.lr": 0.01, "random_baseline": "false"}
+    # With accumulation 2 each step takes 4 images: 2 processes x 1 image x 2 batches (the first
+    # backward under DDP's no_sync) against 1 process x 2 images x 2 batches.
+    extra = {
+        "model.norm": "gn", "solver.optimizer": "sgd", "solver.lr": 0.01, "random_baseline": "false",
+        "solver.accumulation": accumulation,
+    }  # fmt: skip
     single = tmp_path / "single"
     _run(["tools/train.py", *tiny_overrides(tiny_toy_root, single, **{**extra, "solver.ims_per_batch": 2})])
     double = tmp_path / "ddp"
@@ -127,3 +135,40 @@ def test_ddp_two_gloo_processes_match_one_process_at_the_same_global_batch(tiny_
         _final_weights(single)["roi_head.body.module.neck.0.conv1.weight"],
         rtol=1e-3, atol=1e-6,
     )  # fmt: skip
+
+
+def test_eval_under_torchrun_writes_one_directory_and_scores_once(tiny_toy_root, tmp_path):
+    run_dir = tmp_path / "run"
+    overrides = tiny_overrides(tiny_toy_root, run_dir, **{"solver.max_iter": 1, "random_baseline": "false"})
+    _run(["tools/train.py", *overrides])
+    data = [o for o in overrides if o.startswith("data.")]
+    # No output_dir: rank 0 picks runs/eval/<date>_<time> under the working directory and shares it.
+    result = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
+         str(ROOT / "tools" / "eval.py"), f"checkpoint={run_dir / 'model_final.pth'}", "progress=false",
+         "random_baseline=false", *data],
+        cwd=tmp_path, env=ENV, capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    (eval_dir,) = (tmp_path / "runs" / "eval").iterdir()
+    assert json.loads((eval_dir / "metrics.json").read_text()) == pytest.approx(
+        json.loads((run_dir / "eval" / "metrics.json").read_text())
+    )
+    assert result.stdout.count("copypaste:") == 1  # the report is made and logged by rank 0 only
+
+
+@pytest.mark.parametrize("entry", ["train_from_config", "evaluate_from_config"])
+def test_the_process_group_is_left_even_when_the_run_fails(monkeypatch, entry):
+    import wsod.run as run
+
+    events = []
+    monkeypatch.setattr(run, "setup_distributed", lambda: events.append("setup"))
+    monkeypatch.setattr(run, "cleanup_distributed", lambda: events.append("cleanup"))
+
+    def fail(cfg):
+        raise RuntimeError("boom")
+
+    monkeypatch.setattr(run, "_train" if entry == "train_from_config" else "_evaluate", fail)
+    with pytest.raises(RuntimeError, match="boom"):
+        getattr(run, entry)(None)
+    assert events == ["setup", "cleanup"]

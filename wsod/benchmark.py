@@ -38,6 +38,7 @@ __all__ = [
     "MODELS",
     "Measurement",
     "build_benchmark_model",
+    "cap_cuda_memory",
     "measure",
     "linear_fit",
     "find_max_rois",
@@ -161,9 +162,7 @@ def _run_measurement(
         torch.set_num_threads(threads)
     device = torch.device(device_name)
     if device.type == "cuda":
-        total = torch.cuda.get_device_properties(device).total_memory
-        fraction = 1.0 if memory_limit_mb is None else min(1.0, memory_limit_mb * 2**20 / total)
-        torch.cuda.set_per_process_memory_fraction(fraction, device)
+        device = cap_cuda_memory(device, memory_limit_mb)
     torch.manual_seed(0)
     model = build_benchmark_model(model_name, strategy, chunk).to(device).train()
     optimizer = torch.optim.SGD(model.parameters(), lr=1e-4, momentum=0.9)
@@ -195,6 +194,18 @@ def _run_measurement(
     else:
         peak = _peak_rss_mb() - baseline
     return peak, 1000 * statistics.median(times), baseline, "ok"
+
+
+def cap_cuda_memory(device: torch.device, memory_limit_mb: float | None) -> torch.device:
+    """Cap the caching allocator of CUDA ``device`` at ``memory_limit_mb`` (``None``: the whole card),
+    so that exceeding it raises a real out-of-memory error, as on a smaller card. Returns the device
+    with its index made explicit ("cuda" -> "cuda:N"): ``set_per_process_memory_fraction`` takes an
+    index or an indexed device, never a bare "cuda"."""
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    total = torch.cuda.get_device_properties(index).total_memory
+    fraction = 1.0 if memory_limit_mb is None else min(1.0, memory_limit_mb * 2**20 / total)
+    torch.cuda.set_per_process_memory_fraction(fraction, index)
+    return torch.device("cuda", index)
 
 
 def _child(queue: multiprocessing.Queue, args: tuple) -> None:

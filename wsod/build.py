@@ -6,7 +6,6 @@ from __future__ import annotations
 from typing import Any
 
 import torch
-import torch.distributed as dist
 from omegaconf import DictConfig, OmegaConf
 from torch.utils.data import Dataset
 
@@ -15,6 +14,7 @@ from wsod.data.dataset import ConcatWeakDataset, WeakDetectionDataset
 from wsod.data.toy import ensure_toy_dataset
 from wsod.data.transforms import train_transform
 from wsod.data.voc import VOCDataset
+from wsod.distributed import main_process_first
 from wsod.engine.solver import build_optimizer as _build_optimizer
 from wsod.engine.solver import build_scheduler as _build_scheduler
 from wsod.modeling.detector import WeaklySupervisedDetector, build_detector
@@ -50,13 +50,11 @@ def build_model(model_cfg: DictConfig | dict, num_classes: int) -> WeaklySupervi
 
 
 def prepare_data(data_cfg: DictConfig) -> None:
-    """Generate what a dataset needs on first use (the toy set), on the main process only, the other
-    processes waiting, so that ranks do not generate it concurrently."""
-    main = not dist.is_initialized() or dist.get_rank() == 0
-    if data_cfg.kind == "toy" and main:
-        _toy(data_cfg)
-    if dist.is_initialized():
-        dist.barrier()
+    """Generate what a dataset needs on first use (the toy set): the main process first, the others
+    waiting and then finding it in place, so that ranks never generate it concurrently."""
+    with main_process_first():
+        if data_cfg.kind == "toy":
+            _toy(data_cfg)
 
 
 def _toy(data_cfg: DictConfig):

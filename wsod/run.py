@@ -7,13 +7,12 @@ from __future__ import annotations
 
 import json
 import logging
-import os
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
 import torch
-import torch.distributed as dist
 from omegaconf import DictConfig, OmegaConf
 
 from wsod.build import (
@@ -26,6 +25,14 @@ from wsod.build import (
     resolve_device,
 )
 from wsod.data.loader import build_train_loader, infinite_batches
+from wsod.distributed import (
+    broadcast_object,
+    cleanup_distributed,
+    get_world_size,
+    is_main_process,
+    main_process_first,
+    setup_distributed,
+)
 from wsod.engine.checkpoint import load_checkpoint, save_checkpoint
 from wsod.engine.evaluate import evaluate_detections
 from wsod.engine.inference import predict, random_detections
@@ -33,19 +40,24 @@ from wsod.engine.train import train
 from wsod.evaluation.coco import save_coco_results, to_coco_results
 from wsod.evaluation.voc import write_voc_results
 
-__all__ = ["train_from_config", "evaluate_from_config", "setup_distributed", "setup_logging"]
+__all__ = [
+    "train_from_config",
+    "evaluate_from_config",
+    "setup_distributed",
+    "setup_logging",
+    "choose_output_dir",
+]
 
 logger = logging.getLogger("wsod")
 
 
-def setup_distributed() -> tuple[int, int]:
-    """Join the process group when launched by torchrun (NCCL on CUDA, gloo on CPU); (rank, world)."""
-    world = int(os.environ.get("WORLD_SIZE", "1"))
-    if world > 1 and not dist.is_initialized():
-        if torch.cuda.is_available():
-            torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
-        dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo")
-    return (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
+def choose_output_dir(output_dir: str | None, parent: str) -> Path:
+    """``output_dir``, or ``<parent>/<date>_<time>`` when it is null, chosen once by the main process
+    and shared: under torchrun every rank must write to (and resume from) the same directory, and
+    clocks read one by one can fall on both sides of a second."""
+    if output_dir is None and is_main_process():
+        output_dir = str(Path(parent) / time.strftime("%Y-%m-%d_%H-%M-%S"))
+    return Path(broadcast_object(output_dir))
 
 
 def setup_logging(run_dir: Path, main: bool) -> None:
@@ -66,30 +78,36 @@ def setup_logging(run_dir: Path, main: bool) -> None:
 
 
 def _predict_and_score(model, test_set, data_cfg: DictConfig, device: torch.device, amp: str | None,
-                       progress: bool) -> tuple[list[dict], dict[str, float], str]:  # fmt: skip
-    """Detections on the test set (with the configured test-time augmentation), metrics, report."""
+                       progress: bool) -> tuple[list[dict] | None, dict[str, float], str]:  # fmt: skip
+    """Detections on the test set (with the configured test-time augmentation), metrics, report.
+
+    Under torchrun the detections are gathered on the main process and scored there once; every process
+    receives the metrics and the report (the training loop keeps the best checkpoint on all of them).
+    """
     test = data_cfg.test
     detections = predict(
         model, test_set, scales=list(test.scales), max_size=test.max_size, flip=test.flip,
         batch_size=test.batch_size, num_workers=test.num_workers, device=device, amp=amp, progress=progress,
     )  # fmt: skip
-    metrics, report = evaluate_detections(detections, test_set)
+    scored = evaluate_detections(detections, test_set) if is_main_process() else None
+    metrics, report = broadcast_object(scored)
     return detections, metrics, report
 
 
 def _finish_report(detections, test_set, model, metrics, report, out_dir: Path, random_baseline: bool):
-    """Add the random-score baseline, write everything under ``out_dir`` (main process), log the report."""
+    """On the main process: add the random-score baseline, write everything under ``out_dir``, log the
+    report. Returns the metrics on every process."""
     metrics = dict(metrics)
-    if random_baseline:
-        chance, _ = evaluate_detections(random_detections(test_set, model), test_set)
-        metrics.update({f"random_{k}": v for k, v in chance.items()})
-        report += "\nrandom scores over the same proposals: " + ", ".join(
-            f"{k} {100 * v:.2f}" for k, v in chance.items()
-        )
-    if not dist.is_initialized() or dist.get_rank() == 0:
+    if is_main_process():
+        if random_baseline:
+            chance, _ = evaluate_detections(random_detections(test_set, model), test_set)
+            metrics.update({f"random_{k}": v for k, v in chance.items()})
+            report += "\nrandom scores over the same proposals: " + ", ".join(
+                f"{k} {100 * v:.2f}" for k, v in chance.items()
+            )
         _write_results(detections, test_set, metrics, report, out_dir)
         logger.info("results on %d test images (written to %s):\n%s", len(test_set), out_dir, report)
-    return metrics
+    return broadcast_object(metrics)
 
 
 def _write_results(detections, test_set, metrics, report, out_dir: Path) -> None:
@@ -108,33 +126,45 @@ def _write_results(detections, test_set, metrics, report, out_dir: Path) -> None
 
 def train_from_config(cfg: DictConfig) -> dict[str, Any]:
     """Train as ``cfg`` (configs/train.yaml) says; returns the engine's summary plus the final metrics."""
-    rank, world = setup_distributed()
-    main = rank == 0
+    setup_distributed()
+    try:
+        return _train(cfg)
+    finally:
+        cleanup_distributed()
+
+
+def _train(cfg: DictConfig) -> dict[str, Any]:
+    main = is_main_process()
     device = resolve_device(cfg.device)
     if device.type == "cpu" and cfg.threads:
         torch.set_num_threads(cfg.threads)
-    run_dir = Path(cfg.output_dir)
+    if cfg.resume and cfg.output_dir is None:
+        raise ValueError("resume=true needs the run to continue: output_dir=runs/<the run's directory>")
+    run_dir = choose_output_dir(cfg.output_dir, "runs")
     run_dir.mkdir(parents=True, exist_ok=True)
     setup_logging(run_dir, main)
     if main:
         (run_dir / "config.yaml").write_text(OmegaConf.to_yaml(cfg, resolve=True))
-        logger.info("run directory %s, device %s, %d process(es)", run_dir, device, world)
+        logger.info("command: %s", " ".join(sys.argv))
+        logger.info("run directory %s, device %s, %d process(es)", run_dir, device, get_world_size())
     torch.manual_seed(cfg.seed)  # identical initial weights on every rank
 
     prepare_data(cfg.data)
     train_set = build_train_dataset(cfg.data)
     test_set = build_test_dataset(cfg.data)
-    model = build_model(cfg.model, train_set.num_classes).to(device)
+    with main_process_first():  # ImageNet weights: fetched into torch hub's cache once, then read
+        model = build_model(cfg.model, train_set.num_classes).to(device)
     optimizer = build_optimizer(cfg.solver, model)
     scheduler = build_scheduler(cfg.solver, optimizer)
     wrapped = model
-    if world > 1:
+    if get_world_size() > 1:
         wrapped = torch.nn.parallel.DistributedDataParallel(
             model, device_ids=[device] if device.type == "cuda" else None
         )
     loader = build_train_loader(
-        train_set, cfg.solver.ims_per_batch, num_workers=cfg.data.train.num_workers, seed=cfg.seed
-    )
+        train_set, cfg.solver.ims_per_batch, num_workers=cfg.data.train.num_workers, seed=cfg.seed,
+        pin_memory=device.type == "cuda",
+    )  # fmt: skip
     metadata = {"model": OmegaConf.to_container(cfg.model, resolve=True), "classes": list(train_set.classes)}
 
     last: dict[str, Any] = {}
@@ -160,21 +190,26 @@ def train_from_config(cfg: DictConfig) -> dict[str, Any]:
         last["detections"], test_set, model, last["metrics"], last["report"], run_dir / "eval",
         cfg.random_baseline,
     )  # fmt: skip
-    if dist.is_initialized():
-        dist.destroy_process_group()
     return summary
 
 
 def evaluate_from_config(cfg: DictConfig) -> dict[str, float]:
     """Evaluate ``cfg.checkpoint`` (configs/eval.yaml) on ``cfg.data``'s test set; writes predictions,
     metrics, the report, and VOC devkit or COCO result files to ``cfg.output_dir``."""
-    rank, _ = setup_distributed()
+    setup_distributed()
+    try:
+        return _evaluate(cfg)
+    finally:
+        cleanup_distributed()
+
+
+def _evaluate(cfg: DictConfig) -> dict[str, float]:
     device = resolve_device(cfg.device)
     if device.type == "cpu" and cfg.threads:
         torch.set_num_threads(cfg.threads)
-    out_dir = Path(cfg.output_dir)
+    out_dir = choose_output_dir(cfg.output_dir, "runs/eval")
     out_dir.mkdir(parents=True, exist_ok=True)
-    setup_logging(out_dir, rank == 0)
+    setup_logging(out_dir, is_main_process())
     checkpoint = load_checkpoint(cfg.checkpoint)
     metadata = checkpoint.get("metadata") or {}
     if "model" not in metadata:
@@ -196,7 +231,9 @@ def evaluate_from_config(cfg: DictConfig) -> dict[str, float]:
             raise ValueError(f"{cfg.predictions} holds predictions for other images than {cfg.data.test.set}")
         logger.info("reusing predictions from %s (not recomputed)", cfg.predictions)
         detections = saved["detections"]
-        metrics, report = evaluate_detections(detections, test_set)
+        metrics, report = broadcast_object(
+            evaluate_detections(detections, test_set) if is_main_process() else None
+        )
     else:
         detections, metrics, report = _predict_and_score(
             model, test_set, cfg.data, device, None, cfg.progress

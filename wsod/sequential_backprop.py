@@ -76,6 +76,12 @@ class _ChunkPlan:
         return [x[start:end] if self.is_split(i, x) else x for i, x in enumerate(inputs)]
 
 
+def _accumulator_like(x: Tensor) -> Tensor:
+    """Zeros shaped like ``x`` in float32, or in ``x``'s dtype when that is wider (float64)."""
+    dtype = torch.promote_types(x.dtype, torch.float32) if x.is_floating_point() else x.dtype
+    return torch.zeros_like(x, dtype=dtype)
+
+
 def _autocast_state(device_type: str) -> dict[str, Any]:
     return {
         "enabled": torch.is_autocast_enabled(device_type),
@@ -142,13 +148,16 @@ class _SequentialBackpropFunction(torch.autograd.Function):
         param_wants_grad = list(needs_input_grad[ctx.num_inputs :])
 
         # Shared inputs are detached once: every chunk's graph starts from the same leaf, and its
-        # per-chunk gradients are summed. Split inputs get one full-size buffer written slice by slice.
+        # per-chunk gradients are summed, in float32 at least (a bf16 feature map would otherwise lose
+        # the low bits of every chunk's contribution to rounding), cast back once at the end. Split
+        # inputs get one full-size buffer written slice by slice.
         leaves = [
             x.detach().requires_grad_(wants) if isinstance(x, Tensor) else x
             for x, wants in zip(inputs, input_wants_grad, strict=True)
         ]
         input_grads: list[Tensor | None] = [
-            torch.zeros_like(x) if wants else None for x, wants in zip(inputs, input_wants_grad, strict=True)
+            (_accumulator_like(x) if i in plan.shared else torch.zeros_like(x)) if wants else None
+            for i, (x, wants) in enumerate(zip(inputs, input_wants_grad, strict=True))
         ]
         param_grads: list[Tensor | None] = [None] * len(params)
         grad_params = [p for p, wants in zip(params, param_wants_grad, strict=True) if wants]
@@ -190,6 +199,7 @@ class _SequentialBackpropFunction(torch.autograd.Function):
                     param_grads[j] = g if param_grads[j] is None else param_grads[j] + g
             del out, grads, chunk, wrt_inputs
 
+        input_grads = [g if g is None else g.to(x.dtype) for g, x in zip(input_grads, inputs, strict=True)]
         return (None, None, None, None, *input_grads, *param_grads)
 
 
@@ -200,6 +210,9 @@ class SequentialBackprop(nn.Module):
         module: maps inputs whose dim 0 indexes samples to one tensor with one row per sample. It must
             treat samples independently (no train-mode BatchNorm; checked at every training call).
         chunk_size: samples per chunk, or ``None`` for plain autograd (the module is simply called).
+        inference_chunk_size: samples per chunk when no gradient is needed (``torch.no_grad()``,
+            evaluation): the module runs chunk by chunk without a graph, so transient activations stay
+            those of one chunk. Default: ``chunk_size``; ``None`` with ``chunk_size=None``: one call.
         shared_inputs: positions of tensor inputs passed whole to every chunk instead of being split,
             e.g. ``(0,)`` for a feature map ``(B, C, H, W)`` shared by per-ROI boxes ``(R, 5)``. Every
             other tensor input is split along dim 0 and all must have the same length N. Non-tensor
@@ -208,8 +221,9 @@ class SequentialBackprop(nn.Module):
             draws the same masks in the recompute. Turn off only for deterministic modules.
 
     Forward: ``inputs`` as the module takes them -> the module's output for all N samples, the chunk
-    outputs concatenated along dim 0. Under ``torch.no_grad()``, in eval mode, when nothing requires
-    grad or when N == 0 the module is called once on the whole batch with no overhead.
+    outputs concatenated along dim 0. When a gradient is needed (grad mode on and a parameter or input
+    requires grad) the autograd Function above runs, in training and eval mode alike. When none is
+    needed the module runs in chunks of ``inference_chunk_size`` without a graph. N == 0 is one call.
     """
 
     def __init__(
@@ -217,31 +231,40 @@ class SequentialBackprop(nn.Module):
         module: nn.Module,
         chunk_size: int | None,
         *,
+        inference_chunk_size: int | None = None,
         shared_inputs: Sequence[int] = (),
         preserve_rng_state: bool = True,
     ) -> None:
         super().__init__()
-        if chunk_size is not None and chunk_size < 1:
-            raise ValueError(f"chunk_size must be a positive integer or None, got {chunk_size}")
+        for name, value in (("chunk_size", chunk_size), ("inference_chunk_size", inference_chunk_size)):
+            if value is not None and value < 1:
+                raise ValueError(f"{name} must be a positive integer or None, got {value}")
         self.module = module
         self.chunk_size = chunk_size
+        self.inference_chunk_size = inference_chunk_size or chunk_size
         self.shared_inputs = frozenset(shared_inputs)
         self.preserve_rng_state = preserve_rng_state
 
     def extra_repr(self) -> str:
-        return f"chunk_size={self.chunk_size}, shared_inputs={sorted(self.shared_inputs)}"
+        return (
+            f"chunk_size={self.chunk_size}, inference_chunk_size={self.inference_chunk_size},"
+            f" shared_inputs={sorted(self.shared_inputs)}"
+        )
 
     def forward(self, *inputs: Any) -> Tensor:
-        if self.chunk_size is None or not self.training or not torch.is_grad_enabled():
-            return self.module(*inputs)
-        check_per_sample_module(self.module)
         params = [p for p in self.module.parameters() if p.requires_grad]
         any_input_grad = any(isinstance(x, Tensor) and x.requires_grad for x in inputs)
-        if not params and not any_input_grad:
+        needs_grad = torch.is_grad_enabled() and (bool(params) or any_input_grad)
+        chunk_size = self.chunk_size if needs_grad else self.inference_chunk_size
+        if chunk_size is None:
             return self.module(*inputs)
-        plan = _ChunkPlan(inputs, self.shared_inputs, self.chunk_size)
-        if plan.num_samples == 0:
+        plan = _ChunkPlan(inputs, self.shared_inputs, chunk_size)
+        if plan.num_samples == 0 or (not needs_grad and len(plan.bounds) == 1):
             return self.module(*inputs)  # nothing to save; keeps output shape and graph trivially right
+        if not needs_grad:
+            with torch.no_grad():
+                return torch.cat([self.module(*plan.chunk(inputs, start, end)) for start, end in plan.bounds])
+        check_per_sample_module(self.module)
         return _SequentialBackpropFunction.apply(
             self.module, plan, self.preserve_rng_state, len(inputs), *inputs, *params
         )

@@ -9,6 +9,7 @@ a warning and the previous one is used.
 from __future__ import annotations
 
 import logging
+import random
 import re
 from pathlib import Path
 from typing import Any
@@ -17,7 +18,14 @@ import torch
 
 from wsod.atomic import atomic_write
 
-__all__ = ["save_checkpoint", "load_checkpoint", "latest_valid_checkpoint", "list_checkpoints"]
+__all__ = [
+    "save_checkpoint",
+    "load_checkpoint",
+    "latest_valid_checkpoint",
+    "list_checkpoints",
+    "rng_state",
+    "set_rng_state",
+]
 
 logger = logging.getLogger(__name__)
 _ITERATION_NAME = re.compile(r"^model_(\d+)\.pth$")
@@ -61,3 +69,40 @@ def latest_valid_checkpoint(
         except RuntimeError as error:
             logger.warning("skipping unreadable checkpoint, trying the previous one: %s", error)
     return None
+
+
+def rng_state() -> dict[str, Any]:
+    """Python, torch CPU and CUDA random states (one per visible GPU), for a checkpoint. Data order is
+    seeded separately, by position, so it needs no state here."""
+    state = {"python": random.getstate(), "torch": torch.get_rng_state()}
+    if torch.cuda.is_available():
+        state["cuda"] = torch.cuda.get_rng_state_all()
+    return state
+
+
+def _byte_tensor(state: Any) -> torch.Tensor:
+    # torch.set_rng_state and torch.cuda.set_rng_state take CPU uint8 tensors only, but a checkpoint
+    # loaded with map_location="cuda" has moved them to the GPU.
+    return torch.as_tensor(state).to(device="cpu", dtype=torch.uint8)
+
+
+def set_rng_state(state: dict[str, Any]) -> None:
+    """Restore ``rng_state()``'s output, whatever device its tensors were loaded to.
+
+    CUDA generators are restored for the GPUs both layouts have: a run saved with more visible GPUs
+    than this process sees (an 8-GPU run continued on one) restores the first ones and says so; a
+    run saved on CPU leaves the CUDA generators as they are.
+    """
+    random.setstate(state["python"])
+    torch.set_rng_state(_byte_tensor(state["torch"]))
+    saved = list(state.get("cuda") or [])
+    if not torch.cuda.is_available():
+        return
+    visible = torch.cuda.device_count()
+    if len(saved) != visible:
+        logger.warning(
+            "the checkpoint holds %d CUDA generator state(s), this process sees %d GPU(s): restoring %d",
+            len(saved), visible, min(len(saved), visible),
+        )  # fmt: skip
+    for index, device_state in enumerate(saved[:visible]):
+        torch.cuda.set_rng_state(_byte_tensor(device_state), index)

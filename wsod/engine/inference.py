@@ -9,10 +9,8 @@ proposals are filtered before any transform.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any
 
 import torch
-import torch.distributed as dist
 from torch import Tensor
 from torch.utils.data import DataLoader, Dataset
 from tqdm import tqdm
@@ -20,7 +18,8 @@ from tqdm import tqdm
 from wsod.data.loader import collate, model_inputs
 from wsod.data.proposals import filter_proposals, whole_image_box
 from wsod.data.transforms import test_transform
-from wsod.engine.train import autocast
+from wsod.distributed import gather_to_main, get_rank, get_world_size
+from wsod.engine.amp import autocast, resolve_amp
 from wsod.modeling.detector import WeaklySupervisedDetector
 
 __all__ = ["MultiViewDataset", "predict", "random_detections", "annotations_of"]
@@ -67,15 +66,17 @@ def predict(
     device: torch.device | str = "cpu",
     amp: str | None = None,
     progress: bool = True,
-) -> Detections:
+) -> Detections | None:
     """Detections for every image of ``dataset`` (built without a transform), in dataset order.
 
     Each detection dict holds CPU tensors ``boxes`` (D, 4) in original pixels, ``scores`` (D,) and
-    ``labels`` (D,) in 0..C-1. Under torch.distributed each process predicts every world_size-th image
-    and all processes receive the whole list.
+    ``labels`` (D,) in 0..C-1. Under torch.distributed each process predicts every world_size-th image;
+    the main process receives the whole list and the others ``None`` (scoring runs once, on the main
+    process: COCOeval alone holds the whole ground truth in memory).
     """
     device = torch.device(device)
-    rank, world = (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
+    amp = resolve_amp(amp, device)
+    rank, world = get_rank(), get_world_size()
     views = [
         test_transform(s, max_size, flip=f) for s in scales for f in ((False, True) if flip else (False,))
     ]
@@ -85,6 +86,7 @@ def predict(
         batch_size=batch_size,
         collate_fn=_collate_views,
         num_workers=num_workers,
+        pin_memory=device.type == "cuda",  # lets the host-to-GPU copies run asynchronously
     )
     was_training = model.training
     model.eval()
@@ -119,8 +121,9 @@ def predict(
     model.train(was_training)
     if world == 1:
         return results
-    gathered: list[Any] = [None] * world
-    dist.all_gather_object(gathered, results)
+    gathered = gather_to_main(results)
+    if gathered is None:
+        return None
     ordered: Detections = [None] * len(dataset)  # type: ignore[list-item]
     for r, part in enumerate(gathered):
         for position, detections in zip(range(r, len(dataset), world), part, strict=True):

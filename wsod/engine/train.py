@@ -14,7 +14,6 @@ from __future__ import annotations
 import json
 import logging
 import math
-import random
 import time
 from collections.abc import Callable, Iterator
 from contextlib import ExitStack, nullcontext
@@ -22,41 +21,29 @@ from pathlib import Path
 from typing import Any
 
 import torch
-import torch.distributed as dist
 from torch import nn
 from torch.utils.tensorboard import SummaryWriter
 from tqdm import tqdm
 from tqdm.contrib.logging import logging_redirect_tqdm
 
 from wsod.data.loader import model_inputs
-from wsod.engine.checkpoint import latest_valid_checkpoint, list_checkpoints, save_checkpoint
+from wsod.distributed import all_reduce_mean, is_main_process
+from wsod.engine.amp import autocast, resolve_amp
+from wsod.engine.checkpoint import (
+    latest_valid_checkpoint,
+    list_checkpoints,
+    rng_state,
+    save_checkpoint,
+    set_rng_state,
+)
 
-__all__ = ["train", "autocast", "rng_state", "set_rng_state", "NonFiniteLossError"]
+__all__ = ["train", "NonFiniteLossError"]
 
 logger = logging.getLogger(__name__)
 
 
 class NonFiniteLossError(RuntimeError):
     """Raised after too many consecutive optimizer steps with a non-finite loss."""
-
-
-def rng_state() -> dict[str, Any]:
-    """Python, torch CPU and CUDA random states (data order is seeded separately, by position)."""
-    state = {"python": random.getstate(), "torch": torch.get_rng_state()}
-    if torch.cuda.is_available():
-        state["cuda"] = torch.cuda.get_rng_state_all()
-    return state
-
-
-def set_rng_state(state: dict[str, Any]) -> None:
-    random.setstate(state["python"])
-    torch.set_rng_state(state["torch"])
-    if "cuda" in state and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all(state["cuda"])
-
-
-def _is_main_process() -> bool:
-    return not dist.is_initialized() or dist.get_rank() == 0
 
 
 def _unwrap(model: nn.Module) -> nn.Module:
@@ -66,19 +53,8 @@ def _unwrap(model: nn.Module) -> nn.Module:
 def _reduce_losses(losses: dict[str, torch.Tensor]) -> dict[str, float]:
     """Mean of each loss over processes (for logging only)."""
     names = sorted(losses)
-    values = torch.stack([losses[n].detach().float() for n in names])
-    if dist.is_initialized():
-        dist.all_reduce(values)
-        values /= dist.get_world_size()
+    values = all_reduce_mean(torch.stack([losses[n].detach().float() for n in names]))
     return dict(zip(names, values.tolist(), strict=True))
-
-
-def autocast(device: torch.device, amp: str | None):
-    """Autocast to "bf16" or "fp16" on CUDA; a no-op for ``amp=None`` and on other devices."""
-    if not amp or device.type != "cuda":
-        return nullcontext()
-    dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}[amp]
-    return torch.autocast(device.type, dtype=dtype)
 
 
 def train(
@@ -110,7 +86,8 @@ def train(
             batch, so that a resumed run sees exactly the batches an uninterrupted run would. Batches
             are ``wsod.data.loader.collate`` dicts.
         accumulation: batches per optimizer step (gradients summed; each batch's loss divided by it).
-        amp: None, "bf16" or "fp16" (fp16 uses a GradScaler); CUDA only, ignored on CPU.
+        amp: None, "bf16" or "fp16" (fp16 uses a GradScaler); CUDA only, ignored on CPU; bf16 becomes
+            fp16 on GPUs without native bfloat16 (``wsod.engine.amp.resolve_amp``).
         resume: continue from the newest readable checkpoint in ``run_dir`` (a fresh start if none).
         evaluate: ``model -> metrics``, called on every process (prediction may be distributed) every
             ``eval_period`` steps and at the end; the checkpoint with the highest ``best_metric`` is kept
@@ -123,12 +100,14 @@ def train(
     Returns a summary: final iteration, skipped steps, last losses and the last evaluation.
     """
     run_dir = Path(run_dir)
-    main = _is_main_process()
-    amp = amp if device.type == "cuda" else None
+    main = is_main_process()
+    amp = resolve_amp(amp, device)
     scaler = torch.amp.GradScaler(device.type, enabled=amp == "fp16")
     state = {"iteration": 0, "skipped_steps": 0, "best": None, "last_eval": None}
 
-    if resume and (found := latest_valid_checkpoint(run_dir, map_location=device)) is not None:
+    # Loaded to host memory: load_state_dict copies each tensor to its parameter's device, and the RNG
+    # states must stay CPU byte tensors.
+    if resume and (found := latest_valid_checkpoint(run_dir, map_location="cpu")) is not None:
         path, checkpoint = found
         _unwrap(model).load_state_dict(checkpoint["model"])
         optimizer.load_state_dict(checkpoint["optimizer"])

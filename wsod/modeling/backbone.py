@@ -18,7 +18,8 @@ import torch
 import torchvision
 from torch import nn
 from torchvision.models.resnet import BasicBlock, Bottleneck
-from torchvision.ops.misc import FrozenBatchNorm2d
+
+from wsod.modeling.frozen_bn import FrozenBatchNorm2d
 
 __all__ = ["build_resnet_c4", "make_norm_layer", "RES5_SPATIAL_STRIDE"]
 
@@ -37,7 +38,8 @@ _STAGE_PLANES = (64, 128, 256, 512)
 def make_norm_layer(kind: str) -> Callable[[int], nn.Module]:
     """Return a ``channels -> module`` factory for ``kind`` in {"frozen_bn", "bn", "gn"}.
 
-    ``frozen_bn``: fixed affine statistics (the detection default with ImageNet weights).
+    ``frozen_bn``: fixed affine statistics (the detection default with ImageNet weights), computed in
+    the input's dtype so that autocast keeps activations in reduced precision.
     ``bn``: train-mode BatchNorm (useful from scratch in the base; refused by sequential backprop).
     ``gn``: GroupNorm with up to 32 groups (per-sample, so it may live inside sequential backprop).
     """

@@ -240,6 +240,7 @@ def build_detector(
     num_classes: int = 20,
     chunk_size: int | None = 256,
     *,
+    test_chunk_size: int | None = None,
     width: float = 1.0,
     weights: str | None = None,
     norm: str = "frozen_bn",
@@ -255,7 +256,8 @@ def build_detector(
 
     ``backbone`` is "resnet18", "resnet34", "resnet50" or "resnet101"; see ``build_resnet_c4`` for
     ``width``, ``weights``, ``norm``, ``neck_norm`` and ``freeze_at``, ``RoIFeatureHead`` for
-    ``chunk_size`` and ``fuse_pooling``, and ``WeaklySupervisedDetector`` for ``detector_options``.
+    ``chunk_size``, ``test_chunk_size`` (its ``inference_chunk_size``) and ``fuse_pooling``, and
+    ``WeaklySupervisedDetector`` for ``detector_options``.
     """
     if not backbone.startswith("resnet") or not backbone[6:].isdigit():
         raise ValueError(f"unknown backbone '{backbone}': expected resnet18/34/50/101")
@@ -271,6 +273,7 @@ def build_detector(
         build_roi_pooler(pooler, output_size=roi_size, spatial_scale=1 / 16),
         res5,
         chunk_size=chunk_size,
+        inference_chunk_size=test_chunk_size,
         fuse_pooling=fuse_pooling,
     )
     feature_dim = res5.out_channels

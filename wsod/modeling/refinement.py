@@ -166,9 +166,10 @@ def refinement_losses(
     ce = F.cross_entropy(logits, labels, reduction="none")
     cls_loss = (weights * ce * roi_normalizer).sum()
     foreground = (labels > 0).nonzero().squeeze(1)
-    fg_labels = labels[foreground]
-    fg_deltas = deltas[foreground].view(len(foreground), -1, 4)
-    fg_deltas = fg_deltas[torch.arange(len(foreground), device=deltas.device), fg_labels]
+    # Reshape before indexing: (0, -1, 4) is ambiguous when no ROI is foreground (a batch whose images
+    # have no positive class, e.g. VOC images whose objects are all difficult).
+    per_class = deltas.view(deltas.shape[0], logits.shape[1], 4)
+    fg_deltas = per_class[foreground, labels[foreground]]
     smooth_l1 = F.smooth_l1_loss(
         fg_deltas, targets[foreground].to(fg_deltas.dtype), beta=1.0, reduction="none"
     ).sum(dim=1)

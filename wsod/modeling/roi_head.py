@@ -56,6 +56,9 @@ class RoIFeatureHead(nn.Module):
         neck: ``(R, C4, S, S) -> (R, C5, S', S')``, e.g. ResNet res5. Must treat ROIs independently when
             ``chunk_size`` is set.
         chunk_size: ROIs per recompute chunk of sequential backprop; ``None`` for plain autograd.
+        inference_chunk_size: ROIs per chunk when no gradient is needed (evaluation); default
+            ``chunk_size``. Without a graph a chunk costs only its transient activations, so this can be
+            several times ``chunk_size``.
         fuse_pooling: recompute the pooling together with the neck (see the module docstring).
     """
 
@@ -65,17 +68,18 @@ class RoIFeatureHead(nn.Module):
         neck: nn.Module,
         *,
         chunk_size: int | None = 256,
+        inference_chunk_size: int | None = None,
         fuse_pooling: bool = True,
     ) -> None:
         super().__init__()
         self.fuse_pooling = fuse_pooling
+        chunks = dict(chunk_size=chunk_size, inference_chunk_size=inference_chunk_size)
         if fuse_pooling:
             self.pooler = None
-            body = _NeckWithPooling(pooler, neck)
-            self.body = SequentialBackprop(body, chunk_size, shared_inputs=(0,))
+            self.body = SequentialBackprop(_NeckWithPooling(pooler, neck), **chunks, shared_inputs=(0,))
         else:
             self.pooler = pooler
-            self.body = SequentialBackprop(_NeckWithPooling(None, neck), chunk_size)
+            self.body = SequentialBackprop(_NeckWithPooling(None, neck), **chunks)
         self.out_channels: int = getattr(neck, "out_channels", 0)
 
     def forward(self, features: Tensor, rois: Tensor) -> Tensor:
