@@ -9,7 +9,7 @@ import torch
 import torchvision
 from torchvision.ops.misc import FrozenBatchNorm2d
 
-from wsod.modeling.backbone import build_resnet_c4
+from wsod.modeling.resnet import build_resnet_c4, resnet_c4_backbone
 from wsod.modeling.roi_head import RoIFeatureHead, build_roi_pooler
 
 
@@ -77,7 +77,9 @@ def test_bad_weights_give_clear_errors(tmp_path, monkeypatch):
 
 def test_roi_head_modes_agree():
     torch.manual_seed(0)
-    _, res5 = build_resnet_c4(18, width=0.25)
+    backbone = resnet_c4_backbone(18, width=0.25)
+    assert backbone.stride == 16 and backbone.feature_dim == 128
+    res5 = backbone.neck  # res5 + average pooling: (R, 64, 14, 14) -> (R, 128)
     features = torch.randn(2, 64, 8, 10, requires_grad=True)
     rois = torch.tensor([[0, 0, 0, 60, 60], [1, 16, 16, 150, 120], [0, 30, 8, 90, 100.0]])
     outputs = []

@@ -10,7 +10,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from wsod.benchmark import cap_cuda_memory, find_max_rois, linear_fit
+from wsod.benchmarks.rois import cap_cuda_memory, find_max_rois, linear_fit
 
 ROOT = Path(__file__).resolve().parents[1]
 

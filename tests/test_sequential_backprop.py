@@ -8,7 +8,7 @@ from torch import nn
 from torchvision.ops import RoIAlign
 from torchvision.ops.misc import FrozenBatchNorm2d
 
-from wsod.modeling.backbone import build_resnet_c4
+from wsod.modeling.resnet import build_resnet_c4
 from wsod.modeling.roi_head import _NeckWithPooling
 from wsod.sequential_backprop import SequentialBackprop
 

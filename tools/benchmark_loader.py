@@ -10,7 +10,7 @@ import logging
 import sys
 from pathlib import Path
 
-from wsod.data.benchmark import measure_loader_throughput
+from wsod.benchmarks.loader import measure_loader_throughput
 from wsod.data.loader import build_train_loader
 from wsod.data.toy import ensure_toy_dataset
 from wsod.data.transforms import train_transform

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import torch
 
-from wsod.benchmark import (
+from wsod.benchmarks.rois import (
     MODELS,
     STRATEGIES,
     format_table,

@@ -8,7 +8,7 @@ import itertools
 import torch
 from torch.utils.data.distributed import DistributedSampler
 
-from wsod.data.benchmark import measure_loader_throughput
+from wsod.benchmarks.loader import measure_loader_throughput
 from wsod.data.dataset import ConcatWeakDataset
 from wsod.data.loader import (
     MODEL_INPUT_KEYS,

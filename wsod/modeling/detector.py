@@ -13,25 +13,34 @@ is the training loss. Evaluation returns per image ``{"boxes" (D, 4) in original
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from functools import partial
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 from torchvision.ops import batched_nms, clip_boxes_to_image, remove_small_boxes
 
-from wsod.modeling.backbone import build_resnet_c4
+from wsod.modeling.backbone import Backbone
 from wsod.modeling.box_coder import decode_boxes
 from wsod.modeling.mil import MILHead, mil_loss
-from wsod.modeling.refinement import (
-    RefinementStudent,
-    mist_pseudo_labels,
-    oicr_pseudo_labels,
-    refinement_losses,
-)
+from wsod.modeling.refinement import MISTLabeler, PseudoLabeler, RefinementStudent, refinement_losses
+from wsod.modeling.resnet import resnet_c4_backbone
 from wsod.modeling.roi_head import RoIFeatureHead, build_roi_pooler
 
-__all__ = ["WeaklySupervisedDetector", "build_detector", "proposals_to_rois"]
+__all__ = [
+    "WeaklySupervisedDetector",
+    "BACKBONES",
+    "build_backbone",
+    "build_detector",
+    "detector_from_backbone",
+    "proposals_to_rois",
+]
+
+# Backbone name -> builder(**options) -> Backbone. A new backbone is one module and one line here.
+BACKBONES: dict[str, Callable[..., Backbone]] = {
+    f"resnet{depth}": partial(resnet_c4_backbone, depth) for depth in (18, 34, 50, 101)
+}
 
 ImageSize = tuple[int, int]
 # Detections narrower or shorter than this (original pixels) are dropped, as torchvision's heads do.
@@ -48,13 +57,12 @@ class WeaklySupervisedDetector(nn.Module):
     """MIST detector (Ren et al., CVPR 2020) on a base network and a per-ROI feature head.
 
     Args:
-        base: images (B, 3, H, W) -> feature map (B, C4, H/16, W/16).
+        base: images (B, 3, H, W) -> feature map (B, C, H/stride, W/stride).
         roi_head: (feature map, rois (R, 5)) -> ROI features (R, D), e.g. ``RoIFeatureHead``.
         mil_head: the WSDDN teacher, ``MILHead(D, C)``.
         students: K ``RefinementStudent(D, C)``; at least one (inference averages them).
-        pseudo_labels: "mist" or "oicr".
-        mist_p, mist_tau, mist_suppress: MIST's top fraction, suppression IoU and rule.
-        fg_iou: IoU with a pseudo box from which an ROI is foreground.
+        labeler: the refinement method, a ``PseudoLabeler`` (``MISTLabeler()``, ``OICRLabeler()``, or
+            any callable of that signature): each student's pseudo-labels from its predecessor's scores.
         first_student_loss_weight: the reference code weights student 1's losses by 3.
         nms_iou, score_threshold, detections_per_image: inference post-processing.
     """
@@ -66,11 +74,7 @@ class WeaklySupervisedDetector(nn.Module):
         roi_head: nn.Module,
         mil_head: MILHead,
         students: Sequence[RefinementStudent],
-        pseudo_labels: str = "mist",
-        mist_p: float = 0.15,
-        mist_tau: float = 0.2,
-        mist_suppress: str = "candidates",
-        fg_iou: float = 0.5,
+        labeler: PseudoLabeler | None = None,
         first_student_loss_weight: float = 3.0,
         nms_iou: float = 0.3,
         score_threshold: float = 0.0,
@@ -79,17 +83,11 @@ class WeaklySupervisedDetector(nn.Module):
         super().__init__()
         if len(students) < 1:
             raise ValueError("the detector needs at least one refinement student")
-        if pseudo_labels not in ("mist", "oicr"):
-            raise ValueError(f"unknown pseudo_labels '{pseudo_labels}': expected 'mist' or 'oicr'")
-        if mist_suppress not in ("candidates", "kept"):
-            raise ValueError(f"unknown mist_suppress '{mist_suppress}': expected 'candidates' or 'kept'")
         self.base = base
         self.roi_head = roi_head
         self.mil_head = mil_head
         self.students = nn.ModuleList(students)
-        self.pseudo_labels = pseudo_labels
-        self.mist_p, self.mist_tau, self.mist_suppress = mist_p, mist_tau, mist_suppress
-        self.fg_iou = fg_iou
+        self.labeler = labeler if labeler is not None else MISTLabeler()
         self.first_student_loss_weight = first_student_loss_weight
         self.nms_iou = nms_iou
         self.score_threshold = score_threshold
@@ -166,25 +164,12 @@ class WeaklySupervisedDetector(nn.Module):
         self, source_scores: Tensor, proposals: Sequence[Tensor], image_labels: Tensor
     ) -> tuple[Tensor, Tensor, Tensor]:
         """Per-image pseudo-labels from (R, C+1) source scores, concatenated over the batch."""
-        per_image = []
-        for boxes, scores, labels in zip(
-            proposals, source_scores.split([len(p) for p in proposals]), image_labels, strict=True
-        ):
-            foreground = scores[:, 1:]
-            if self.pseudo_labels == "oicr":
-                per_image.append(oicr_pseudo_labels(boxes, foreground, labels, fg_iou=self.fg_iou))
-            else:
-                per_image.append(
-                    mist_pseudo_labels(
-                        boxes,
-                        foreground,
-                        labels,
-                        p=self.mist_p,
-                        tau=self.mist_tau,
-                        fg_iou=self.fg_iou,
-                        suppress=self.mist_suppress,
-                    )
-                )
+        per_image = [
+            self.labeler(boxes, scores[:, 1:], labels)  # column 0 of the source scores is background
+            for boxes, scores, labels in zip(
+                proposals, source_scores.split([len(p) for p in proposals]), image_labels, strict=True
+            )
+        ]
         labels, weights, targets = zip(*per_image, strict=True)
         return torch.cat(labels), torch.cat(weights), torch.cat(targets)
 
@@ -235,52 +220,84 @@ class WeaklySupervisedDetector(nn.Module):
         return {"boxes": fg_boxes[kept], "scores": fg_scores[kept], "labels": fg_labels[kept]}
 
 
-def build_detector(
-    backbone: str = "resnet50",
-    num_classes: int = 20,
+def build_backbone(name: str, **options) -> Backbone:
+    """The ``Backbone`` called ``name`` in ``BACKBONES``, built with its own ``options`` (for ResNet:
+    ``width``, ``weights``, ``norm``, ``neck_norm``, ``freeze_at``; see ``build_resnet_c4``)."""
+    if name not in BACKBONES:
+        raise ValueError(f"unknown backbone '{name}': expected one of {sorted(BACKBONES)}")
+    try:
+        return BACKBONES[name](**options)
+    except TypeError as error:
+        raise TypeError(f"backbone '{name}': {error}") from error
+
+
+def detector_from_backbone(
+    backbone: Backbone,
+    num_classes: int,
     chunk_size: int | None = 256,
     *,
     test_chunk_size: int | None = None,
-    width: float = 1.0,
-    weights: str | None = None,
-    norm: str = "frozen_bn",
-    neck_norm: str | None = None,
-    freeze_at: int = 2,
     pooler: str = "align",
     roi_size: int = 14,
     fuse_pooling: bool = True,
     num_students: int = 3,
     **detector_options,
 ) -> WeaklySupervisedDetector:
-    """One-line builder: ``build_detector("resnet50", num_classes=20, chunk_size=256)``.
-
-    ``backbone`` is "resnet18", "resnet34", "resnet50" or "resnet101"; see ``build_resnet_c4`` for
-    ``width``, ``weights``, ``norm``, ``neck_norm`` and ``freeze_at``, ``RoIFeatureHead`` for
-    ``chunk_size``, ``test_chunk_size`` (its ``inference_chunk_size``) and ``fuse_pooling``, and
-    ``WeaklySupervisedDetector`` for ``detector_options``.
-    """
-    if not backbone.startswith("resnet") or not backbone[6:].isdigit():
-        raise ValueError(f"unknown backbone '{backbone}': expected resnet18/34/50/101")
-    base, res5 = build_resnet_c4(
-        int(backbone[6:]),
-        width=width,
-        weights=weights,
-        norm=norm,
-        neck_norm=neck_norm,
-        freeze_at=freeze_at,
-    )
+    """The detector on a built ``Backbone``: ROI pooler at ``1 / backbone.stride``, the backbone's neck
+    under sequential backprop (``RoIFeatureHead``), the MIL teacher and ``num_students`` students of
+    width ``backbone.feature_dim``. ``detector_options`` go to ``WeaklySupervisedDetector``."""
     roi_head = RoIFeatureHead(
-        build_roi_pooler(pooler, output_size=roi_size, spatial_scale=1 / 16),
-        res5,
+        build_roi_pooler(pooler, output_size=roi_size, spatial_scale=1 / backbone.stride),
+        backbone.neck,
         chunk_size=chunk_size,
         inference_chunk_size=test_chunk_size,
         fuse_pooling=fuse_pooling,
     )
-    feature_dim = res5.out_channels
     return WeaklySupervisedDetector(
-        base=base,
+        base=backbone.base,
         roi_head=roi_head,
-        mil_head=MILHead(feature_dim, num_classes),
-        students=[RefinementStudent(feature_dim, num_classes) for _ in range(num_students)],
+        mil_head=MILHead(backbone.feature_dim, num_classes),
+        students=[RefinementStudent(backbone.feature_dim, num_classes) for _ in range(num_students)],
         **detector_options,
+    )
+
+
+def build_detector(
+    backbone: str = "resnet50",
+    num_classes: int = 20,
+    chunk_size: int | None = 256,
+    *,
+    test_chunk_size: int | None = None,
+    pooler: str = "align",
+    roi_size: int = 14,
+    fuse_pooling: bool = True,
+    num_students: int = 3,
+    labeler: PseudoLabeler | None = None,
+    first_student_loss_weight: float = 3.0,
+    nms_iou: float = 0.3,
+    score_threshold: float = 0.0,
+    detections_per_image: int = 100,
+    **backbone_options,
+) -> WeaklySupervisedDetector:
+    """One-line builder: ``build_detector("resnet50", num_classes=20, chunk_size=256)``.
+
+    ``backbone`` is a name of ``BACKBONES`` and ``backbone_options`` its builder's options (ResNet:
+    ``width``, ``weights``, ``norm``, ``neck_norm``, ``freeze_at``); see ``detector_from_backbone`` for
+    the ROI head (``chunk_size``, ``test_chunk_size``, ``pooler``, ``roi_size``, ``fuse_pooling``) and
+    ``WeaklySupervisedDetector`` for the rest.
+    """
+    return detector_from_backbone(
+        build_backbone(backbone, **backbone_options),
+        num_classes,
+        chunk_size,
+        test_chunk_size=test_chunk_size,
+        pooler=pooler,
+        roi_size=roi_size,
+        fuse_pooling=fuse_pooling,
+        num_students=num_students,
+        labeler=labeler,
+        first_student_loss_weight=first_student_loss_weight,
+        nms_iou=nms_iou,
+        score_threshold=score_threshold,
+        detections_per_image=detections_per_image,
     )

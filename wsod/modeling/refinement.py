@@ -11,6 +11,9 @@ within a class, in rank order; each ROI takes the first pseudo box of maximal Io
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+from typing import Protocol
+
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
@@ -21,10 +24,23 @@ from wsod.modeling.mil import init_linear
 
 __all__ = [
     "RefinementStudent",
+    "PseudoLabeler",
+    "MISTLabeler",
+    "OICRLabeler",
     "mist_pseudo_labels",
     "oicr_pseudo_labels",
     "refinement_losses",
 ]
+
+PseudoLabels = tuple[Tensor, Tensor, Tensor]
+
+
+class PseudoLabeler(Protocol):
+    """A refinement method: one image's proposals (R, 4), source scores (R, C) of the foreground classes
+    and image labels (C,) -> per-ROI labels (R,) int64 (0 = background, c + 1 = class c), weights (R,)
+    and regression targets (R, 4). Called without gradients. See ``mist_pseudo_labels``."""
+
+    def __call__(self, proposals: Tensor, scores: Tensor, image_labels: Tensor) -> PseudoLabels: ...
 
 
 class RefinementStudent(nn.Module):
@@ -144,6 +160,43 @@ def oicr_pseudo_labels(
     case of ``mist_pseudo_labels``). Same arguments and returns."""
     # p = 0 makes max(1, int(p R)) = 1: one candidate per class, nothing left to suppress.
     return mist_pseudo_labels(proposals, scores, image_labels, p=0.0, tau=1.0, fg_iou=fg_iou)
+
+
+@dataclass(frozen=True)
+class MISTLabeler:
+    """MIST pseudo-labels (``mist_pseudo_labels``) with fixed settings, as a ``PseudoLabeler``."""
+
+    p: float = 0.15
+    tau: float = 0.2
+    suppress: str = "candidates"
+    fg_iou: float = 0.5
+
+    def __post_init__(self) -> None:
+        if self.suppress not in ("candidates", "kept"):
+            raise ValueError(f"unknown suppress '{self.suppress}': expected 'candidates' or 'kept'")
+        if not 0.0 <= self.p <= 1.0:
+            raise ValueError(f"MIST's top fraction p must be in [0, 1], got {self.p}")
+
+    def __call__(self, proposals: Tensor, scores: Tensor, image_labels: Tensor) -> PseudoLabels:
+        return mist_pseudo_labels(
+            proposals,
+            scores,
+            image_labels,
+            p=self.p,
+            tau=self.tau,
+            fg_iou=self.fg_iou,
+            suppress=self.suppress,
+        )
+
+
+@dataclass(frozen=True)
+class OICRLabeler:
+    """OICR pseudo-labels (``oicr_pseudo_labels``) as a ``PseudoLabeler``."""
+
+    fg_iou: float = 0.5
+
+    def __call__(self, proposals: Tensor, scores: Tensor, image_labels: Tensor) -> PseudoLabels:
+        return oicr_pseudo_labels(proposals, scores, image_labels, fg_iou=self.fg_iou)
 
 
 def refinement_losses(

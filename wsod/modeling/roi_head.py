@@ -1,13 +1,14 @@
-"""ROI feature extraction: ROI pooling + res5 neck + average pooling -> one vector per ROI.
+"""ROI feature extraction: ROI pooling + the backbone's per-ROI neck -> one vector per ROI.
 
 Three ways to back-propagate through it (``chunk_size`` and ``fuse_pooling``):
 
-* ``chunk_size=None``: plain autograd; the pooled (R, C4, 14, 14) tensor and every res5 activation of
-  every ROI are kept until backward (about 4 MB per ROI for ResNet-50 at 14x14).
-* ``fuse_pooling=False``: the paper's sequential backprop around res5 only; the pooled tensor is kept
-  (about 0.8 MB per ROI in float32), res5's activations are recomputed chunk by chunk.
-* ``fuse_pooling=True`` (default): pooling and res5 are recomputed together, so only the feature map,
-  the boxes and the (R, C5) output are kept; the pooled tensor never exists for all ROIs at once.
+* ``chunk_size=None``: plain autograd; the pooled (R, C, S, S) tensor and every neck activation of
+  every ROI are kept until backward (about 4 MB per ROI for ResNet-50's res5 at 14x14).
+* ``fuse_pooling=False``: the paper's sequential backprop around the neck only; the pooled tensor is
+  kept (about 0.8 MB per ROI for ResNet-50 in float32), the neck's activations are recomputed chunk by
+  chunk.
+* ``fuse_pooling=True`` (default): pooling and neck are recomputed together, so only the feature map,
+  the boxes and the (R, D) output are kept; the pooled tensor never exists for all ROIs at once.
 """
 
 from __future__ import annotations
@@ -35,7 +36,7 @@ def build_roi_pooler(
 
 
 class _NeckWithPooling(nn.Module):
-    """(optional pooler) -> neck -> global average pool -> (R, C5). One sample per ROI."""
+    """(optional pooler) -> neck -> (R, D). One sample per ROI."""
 
     def __init__(self, pooler: nn.Module | None, neck: nn.Module) -> None:
         super().__init__()
@@ -45,7 +46,7 @@ class _NeckWithPooling(nn.Module):
     def forward(self, features: Tensor, rois: Tensor | None = None) -> Tensor:
         # With a pooler: features (B, C4, H, W) shared, rois (R, 5) split; else features = pooled (R, ...).
         x = self.pooler(features, rois) if self.pooler is not None else features
-        return self.neck(x).mean(dim=(2, 3))
+        return self.neck(x)
 
 
 class RoIFeatureHead(nn.Module):
@@ -53,8 +54,8 @@ class RoIFeatureHead(nn.Module):
 
     Args:
         pooler: ``(features (B, C4, H, W), rois (R, 5)) -> (R, C4, S, S)``, e.g. ``build_roi_pooler()``.
-        neck: ``(R, C4, S, S) -> (R, C5, S', S')``, e.g. ResNet res5. Must treat ROIs independently when
-            ``chunk_size`` is set.
+        neck: ``(R, C, S, S) -> (R, D)``, e.g. ``ResNetNeck`` (res5 + average pooling). Must treat ROIs
+            independently when ``chunk_size`` is set.
         chunk_size: ROIs per recompute chunk of sequential backprop; ``None`` for plain autograd.
         inference_chunk_size: ROIs per chunk when no gradient is needed (evaluation); default
             ``chunk_size``. Without a graph a chunk costs only its transient activations, so this can be
@@ -80,11 +81,10 @@ class RoIFeatureHead(nn.Module):
         else:
             self.pooler = pooler
             self.body = SequentialBackprop(_NeckWithPooling(None, neck), **chunks)
-        self.out_channels: int = getattr(neck, "out_channels", 0)
 
     def forward(self, features: Tensor, rois: Tensor) -> Tensor:
-        """features (B, C4, H, W), rois (R, 5) as (batch index, x1, y1, x2, y2) in input pixels ->
-        (R, C5)."""
+        """features (B, C, H, W), rois (R, 5) as (batch index, x1, y1, x2, y2) in input pixels ->
+        (R, D)."""
         if self.fuse_pooling:
             return self.body(features, rois)
         return self.body(self.pooler(features, rois))

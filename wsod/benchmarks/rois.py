@@ -24,14 +24,14 @@ import resource
 import statistics
 import time
 from collections.abc import Callable, Iterable, Sequence
-from dataclasses import asdict, dataclass, fields
+from dataclasses import asdict, dataclass, fields, replace
 from pathlib import Path
 
 import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from wsod.modeling.detector import WeaklySupervisedDetector, build_detector
+from wsod.modeling.detector import WeaklySupervisedDetector, build_backbone, detector_from_backbone
 
 __all__ = [
     "STRATEGIES",
@@ -93,17 +93,16 @@ def build_benchmark_model(model: str, strategy: str, chunk: int | None) -> Weakl
         raise ValueError(f"unknown model '{model}': expected one of {sorted(MODELS)}")
     if strategy not in STRATEGIES:
         raise ValueError(f"unknown strategy '{strategy}': expected one of {STRATEGIES}")
+    backbone = build_backbone(MODELS[model])
+    if strategy == "checkpoint":
+        backbone = replace(backbone, neck=_CheckpointedNeck(backbone.neck))
     sequential = strategy in ("paper", "fused")
-    detector = build_detector(
-        MODELS[model],
-        num_classes=NUM_CLASSES,
+    return detector_from_backbone(
+        backbone,
+        NUM_CLASSES,
         chunk_size=chunk if sequential else None,
         fuse_pooling=strategy != "paper",
     )
-    if strategy == "checkpoint":
-        neck_holder = detector.roi_head.body.module
-        neck_holder.neck = _CheckpointedNeck(neck_holder.neck)
-    return detector
 
 
 def synthetic_batch(
