@@ -3,6 +3,7 @@ and the thin scripts in tools/ read it. See configs/ for the fields and their me
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -15,19 +16,31 @@ from wsod.data.toy import ensure_toy_dataset
 from wsod.data.transforms import train_transform
 from wsod.data.voc import VOCDataset
 from wsod.distributed import main_process_first
+from wsod.engine.checkpoint import load_checkpoint
+from wsod.engine.evaluate import Evaluator
 from wsod.engine.solver import build_optimizer as _build_optimizer
 from wsod.engine.solver import build_scheduler as _build_scheduler
 from wsod.modeling.detector import WeaklySupervisedDetector, build_detector
+from wsod.modeling.refinement import MISTLabeler, OICRLabeler, PseudoLabeler
 
 __all__ = [
+    "LABELERS",
     "resolve_device",
+    "build_labeler",
     "build_model",
+    "load_detector",
     "prepare_data",
     "build_train_dataset",
     "build_test_dataset",
+    "build_evaluator",
     "build_optimizer",
     "build_scheduler",
 ]
+
+# configs/method/<name>.yaml -> the labeller its ``name`` selects; the other keys are its arguments.
+LABELERS: dict[str, type] = {"mist": MISTLabeler, "oicr": OICRLabeler}
+# Checkpoints written before configs/method/ existed held MIST's settings among the model's.
+_LEGACY_MIST_KEYS = {"mist_p": "p", "mist_tau": "tau", "mist_suppress": "suppress"}
 
 
 def resolve_device(name: str) -> torch.device:
@@ -39,14 +52,58 @@ def resolve_device(name: str) -> torch.device:
     return torch.device("cpu")
 
 
-def build_model(model_cfg: DictConfig | dict, num_classes: int) -> WeaklySupervisedDetector:
-    """The detector from a ``configs/model`` node (every key is a ``build_detector`` argument)."""
-    options: dict[str, Any] = (
-        OmegaConf.to_container(model_cfg, resolve=True)
-        if isinstance(model_cfg, DictConfig)
-        else dict(model_cfg)
-    )
-    return build_detector(num_classes=num_classes, **options)
+def _plain(node: DictConfig | dict | None) -> dict[str, Any]:
+    if node is None:
+        return {}
+    return OmegaConf.to_container(node, resolve=True) if isinstance(node, DictConfig) else dict(node)
+
+
+def build_labeler(method_cfg: DictConfig | dict | None) -> PseudoLabeler:
+    """The refinement method of a ``configs/method`` node: ``name`` picks the labeller, the other keys
+    are its arguments. ``None`` gives MIST with its defaults."""
+    options = _plain(method_cfg)
+    name = options.pop("name", "mist")
+    if name not in LABELERS:
+        raise ValueError(f"unknown method '{name}': expected one of {sorted(LABELERS)}")
+    try:
+        return LABELERS[name](**options)
+    except TypeError as error:
+        raise TypeError(f"method '{name}': {error}") from error
+
+
+def build_model(
+    model_cfg: DictConfig | dict, num_classes: int, method_cfg: DictConfig | dict | None = None
+) -> WeaklySupervisedDetector:
+    """The detector from a ``configs/model`` node (every key is a ``build_detector`` argument) and a
+    ``configs/method`` node (the labeller)."""
+    return build_detector(num_classes=num_classes, labeler=build_labeler(method_cfg), **_plain(model_cfg))
+
+
+def load_detector(
+    checkpoint_path: str | Path, map_location: str | torch.device = "cpu"
+) -> tuple[WeaklySupervisedDetector, dict[str, Any]]:
+    """The detector a wsod checkpoint holds, rebuilt from the settings stored in it, with its weights;
+    returns ``(model, metadata)`` (``metadata["classes"]``: the class names). The model is in eval mode
+    on ``map_location``. ImageNet weights are never fetched: the checkpoint holds every weight."""
+    checkpoint = load_checkpoint(checkpoint_path, map_location)
+    metadata = dict(checkpoint.get("metadata") or {})
+    if "model" not in metadata or "classes" not in metadata:
+        raise ValueError(
+            f"{checkpoint_path} holds no model settings (metadata.model, metadata.classes): not a wsod"
+            " checkpoint?"
+        )
+    model_settings = dict(metadata["model"])
+    method = dict(metadata.get("method") or {})
+    if "pseudo_labels" in model_settings:  # written before configs/method/ existed
+        method = {"name": model_settings.pop("pseudo_labels"), "fg_iou": model_settings.pop("fg_iou", 0.5)}
+        mist = {
+            key: model_settings.pop(old) for old, key in _LEGACY_MIST_KEYS.items() if old in model_settings
+        }
+        if method["name"] == "mist":
+            method.update(mist)
+    model = build_model({**model_settings, "weights": None}, len(metadata["classes"]), method)
+    model.load_state_dict(checkpoint["model"])
+    return model.to(map_location).eval(), metadata
 
 
 def prepare_data(data_cfg: DictConfig) -> None:
@@ -78,7 +135,7 @@ def build_train_dataset(data_cfg: DictConfig) -> Dataset:
     """The training images of ``data.train`` (several sets are concatenated) with random transforms."""
     train = data_cfg.train
     transform = train_transform(list(train.scales), train.max_size, flip_prob=0.5 if train.flip else 0.0)
-    # SPEC section 9: COCO images without any label are dropped from training.
+    # docs/METHOD.md §9: COCO images without any label are dropped from training.
     sets = [
         _open(
             data_cfg,
@@ -97,6 +154,24 @@ def build_test_dataset(data_cfg: DictConfig) -> WeakDetectionDataset:
     the test scales and flips)."""
     test = data_cfg.test
     return _open(data_cfg, test.set, transform=None, max_proposals=test.max_proposals, drop_unlabelled=False)
+
+
+def build_evaluator(data_cfg: DictConfig, device: torch.device, progress: bool = True) -> Evaluator:
+    """The test set of ``data.test`` and its evaluation settings (views, precision, metric): the same
+    for evaluation during training and for tools/eval.py."""
+    test = data_cfg.test
+    return Evaluator(
+        build_test_dataset(data_cfg),
+        scales=list(test.scales),
+        max_size=test.max_size,
+        flip=test.flip,
+        batch_size=test.batch_size,
+        num_workers=test.num_workers,
+        amp=test.amp,
+        metric=test.metric,
+        device=device,
+        progress=progress,
+    )
 
 
 def build_optimizer(solver_cfg: DictConfig, model: torch.nn.Module) -> torch.optim.Optimizer:

@@ -19,7 +19,7 @@ ids 1..90 -> 0..79). ``CocoDataset.category_ids[i]`` is the category id of class
 Crowd annotations (``iscrowd`` = 1) are neither labels nor ground-truth boxes. Boxes: COCO ``xywh`` ->
 ``(x, y, x + w, y + h)``. An annotation with a category id missing from ``categories``, or an image id
 missing from ``images``, raises ``ValueError`` naming the file; images without labels are kept, or
-dropped with a logged count by ``drop_unlabelled`` (SPEC: training drops them).
+dropped with a logged count by ``drop_unlabelled`` (docs/METHOD.md §9: training drops them).
 """
 
 from __future__ import annotations

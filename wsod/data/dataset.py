@@ -22,7 +22,8 @@ Bad input, and why each is an error or a skip:
 - an image whose proposals are all filtered away: its whole-image box stands in, with a warning and a
   per-process counter (``num_whole_image_fallbacks``); one such image is no reason to stop a run.
 - images without any image-level label (e.g. VOC xml without objects): kept, or dropped with one logged
-  count when ``drop_unlabelled`` is set (SPEC: COCO training drops them; evaluation must keep them).
+  count when ``drop_unlabelled`` is set (docs/METHOD.md §9: COCO training drops them; evaluation must
+  keep them).
 """
 
 from __future__ import annotations
@@ -173,6 +174,52 @@ class WeakDetectionDataset(Dataset):
     def __len__(self) -> int:
         return len(self.records)
 
+    @property
+    def has_ground_truth(self) -> bool:
+        """Whether every image has ground-truth boxes (detection AP and CorLoc can be computed)."""
+        return all(r.has_boxes for r in self.records)
+
+    def ground_truth(self) -> list[dict[str, torch.Tensor]]:
+        """Per image, in dataset order, ``{"boxes" (G, 4) float32 original pixels, "labels" (G,) int64,
+        "difficult" (G,) bool}``: what ``wsod.evaluation.voc`` scores detections against."""
+        missing = [r.image_id for r in self.records if not r.has_boxes]
+        if missing:
+            raise ValueError(
+                f"{len(missing)} of {len(self)} images have no ground-truth boxes (the first is"
+                f" {missing[0]!r}): detections cannot be scored on this dataset"
+            )
+        return [
+            {
+                "boxes": torch.as_tensor(r.gt_boxes, dtype=torch.float32).reshape(-1, 4),
+                "labels": torch.as_tensor(r.gt_labels, dtype=torch.int64),
+                "difficult": torch.as_tensor(r.gt_difficult, dtype=torch.bool),
+            }
+            for r in self.records
+        ]
+
+    def proposals_of(self, index: int, image_size: tuple[int, int] | None = None) -> torch.Tensor:
+        """Image ``index``'s proposals after the loading rules (clipped, small and duplicate boxes
+        dropped, at most ``max_proposals``), float32 (R, 4) in original pixels, R >= 1: the whole-image
+        box stands in when nothing is left (logged and counted). ``image_size`` (H, W) defaults to the
+        annotated size."""
+        record = self.records[index]
+        size = image_size or (record.height, record.width)
+        boxes = filter_proposals(
+            self.proposals[record.image_id], size, min_size=self.min_proposal_size, top_k=self.max_proposals
+        )
+        if len(boxes):
+            return boxes
+        # The detector needs at least one ROI; the whole image is the one box that is always valid.
+        self.num_whole_image_fallbacks += 1
+        logger.warning(
+            "image %r: no proposal left after filtering %s; using the whole-image box (%d such images"
+            " so far in this process)",
+            record.image_id,
+            self.proposals.source,
+            self.num_whole_image_fallbacks,
+        )
+        return whole_image_box(size)
+
     def __getitem__(self, index: int | tuple[int, int]) -> dict:
         """``index``, or ``(index, seed)`` to draw this item's random transform from ``seed`` (see
         ``wsod.data.loader.GroupedBatchSampler``) without touching the process's random stream."""
@@ -180,20 +227,7 @@ class WeakDetectionDataset(Dataset):
         record = self.records[index]
         image = load_image(record.path)
         size = (image.shape[-2], image.shape[-1])
-        boxes = filter_proposals(
-            self.proposals[record.image_id], size, min_size=self.min_proposal_size, top_k=self.max_proposals
-        )
-        if len(boxes) == 0:
-            # The detector needs at least one ROI; the whole image is the one box that is always valid.
-            self.num_whole_image_fallbacks += 1
-            logger.warning(
-                "image %r: no proposal left after filtering %s; using the whole-image box (%d such images"
-                " so far in this process)",
-                record.image_id,
-                self.proposals.source,
-                self.num_whole_image_fallbacks,
-            )
-            boxes = whole_image_box(size)
+        boxes = self.proposals_of(index, size)
         item = {
             "image": image,
             "image_id": record.image_id,

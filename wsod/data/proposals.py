@@ -1,4 +1,4 @@
-"""Proposal files: read, write, convert, look up by image id, and filter (SPEC section 9).
+"""Proposal files: read, write, convert, look up by image id, and filter (docs/METHOD.md §9).
 
 Boxes are float32 ``(R, 4)`` ``x1 y1 x2 y2``, 0-based inclusive pixels of the image on disk (see
 ``wsod.data.box_formats``).
@@ -193,7 +193,7 @@ def filter_proposals(
     min_size: float = 2.0,
     top_k: int | None = None,
 ) -> Tensor:
-    """SPEC section 9 loading rules on one image's boxes (R, 4) -> float32 (R', 4), R' <= R.
+    """docs/METHOD.md §9 loading rules on one image's boxes (R, 4) -> float32 (R', 4), R' <= R.
 
     In order: clip to the image (0-based inclusive, so to ``[0, W - 1] x [0, H - 1]``); drop boxes with
     ``x2 - x1 < min_size`` or ``y2 - y1 < min_size`` (torchvision's ``remove_small_boxes``); drop exact

@@ -32,7 +32,7 @@ __all__ = ["IMAGENET_MEAN", "IMAGENET_STD", "DetectionTransform", "train_transfo
 IMAGENET_MEAN = (0.485, 0.456, 0.406)
 IMAGENET_STD = (0.229, 0.224, 0.225)
 
-# SPEC section 8 (reference code, VOC 2007).
+# docs/METHOD.md §8 (reference code, VOC 2007).
 TRAIN_SCALES = (480, 576, 688, 864, 1000, 1200)
 MAX_SIZE = 2000
 
@@ -97,7 +97,7 @@ class DetectionTransform:
 def train_transform(
     scales: Sequence[int] = TRAIN_SCALES, max_size: int | None = MAX_SIZE, flip_prob: float = 0.5, **normalize
 ) -> DetectionTransform:
-    """Multi-scale training: random shorter side from ``scales``, random flip (SPEC section 8 defaults)."""
+    """Multi-scale training: random shorter side from ``scales``, random flip (docs/METHOD.md §8 defaults)."""
     return DetectionTransform(scales, max_size, flip_prob=flip_prob, **normalize)
 
 

@@ -3,7 +3,7 @@
 Layout: ``{devkit}/VOC{year}/JPEGImages/{id}.jpg``, ``Annotations/{id}.xml`` and
 ``ImageSets/Main/{image_set}.txt`` (one image id per line). Image ids are strings (``"000005"``).
 
-Image labels come from the non-difficult objects (SPEC section 9). All objects, difficult ones included,
+Image labels come from the non-difficult objects (docs/METHOD.md §9). All objects, difficult ones included,
 are kept as ground truth with their difficult flag, for evaluation only. ``<bndbox>`` is 1-based
 inclusive; ``wsod.data.box_formats.from_one_based`` makes it 0-based (``x1 = xmin - 1``, ...), the one
 place this happens. Fractional coordinates (some VOC 2012 files have them) are kept as floats.

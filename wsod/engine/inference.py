@@ -1,6 +1,6 @@
 """Prediction over a dataset with optional test-time augmentation, and the random-score baseline.
 
-Test-time augmentation (SPEC section 5): every image is run at each scale, and flipped too when asked;
+Test-time augmentation (docs/METHOD.md §5): every image is run at each scale, and flipped too when asked;
 per-ROI class probabilities and decoded boxes (in original pixels, flipped ones mirrored back) are
 averaged over the passes before the per-class NMS. All passes of an image share its proposals, because
 proposals are filtered before any transform.
@@ -15,14 +15,14 @@ from torch import Tensor
 from torch.utils.data import DataLoader, Dataset
 from tqdm import tqdm
 
+from wsod.data.dataset import WeakDetectionDataset
 from wsod.data.loader import collate, model_inputs
-from wsod.data.proposals import filter_proposals, whole_image_box
 from wsod.data.transforms import test_transform
 from wsod.distributed import gather_to_main, get_rank, get_world_size
 from wsod.engine.amp import autocast, resolve_amp
 from wsod.modeling.detector import WeaklySupervisedDetector
 
-__all__ = ["MultiViewDataset", "predict", "random_detections", "annotations_of"]
+__all__ = ["MultiViewDataset", "predict", "random_detections"]
 
 Detections = list[dict[str, Tensor]]
 
@@ -131,39 +131,16 @@ def predict(
     return ordered
 
 
-def random_detections(dataset: Dataset, model: WeaklySupervisedDetector, *, seed: int = 0) -> Detections:
+def random_detections(
+    dataset: WeakDetectionDataset, model: WeaklySupervisedDetector, *, seed: int = 0
+) -> Detections:
     """The chance level: uniformly random class scores over the same proposals, through the model's own
-    post-processing (per-class NMS, top detections). ``dataset`` is a ``WeakDetectionDataset``."""
+    post-processing (per-class NMS, top detections)."""
     generator = torch.Generator().manual_seed(seed)
     results: Detections = []
-    for record in dataset.records:
-        size = (record.height, record.width)
-        boxes = filter_proposals(
-            dataset.proposals[record.image_id],
-            size,
-            min_size=dataset.min_proposal_size,
-            top_k=dataset.max_proposals,
-        )
-        boxes = torch.as_tensor(boxes if len(boxes) else whole_image_box(size), dtype=torch.float32)
+    for index in range(len(dataset)):
+        boxes = dataset.proposals_of(index).float()
         scores = torch.rand(len(boxes), dataset.num_classes + 1, generator=generator)
         per_class = boxes[:, None, :].expand(-1, dataset.num_classes + 1, -1)
         results.append(model.postprocess(scores, per_class))
     return results
-
-
-def annotations_of(dataset: Dataset) -> list[dict[str, Tensor]]:
-    """Ground truth of a ``WeakDetectionDataset`` in original pixels, for ``wsod.evaluation.voc``."""
-    annotations = []
-    for record in dataset.records:
-        if not record.has_boxes:
-            raise ValueError(
-                f"image {record.image_id!r} has no ground-truth boxes: cannot evaluate detections"
-            )
-        annotations.append(
-            {
-                "boxes": torch.as_tensor(record.gt_boxes, dtype=torch.float32).reshape(-1, 4),
-                "labels": torch.as_tensor(record.gt_labels, dtype=torch.int64),
-                "difficult": torch.as_tensor(record.gt_difficult, dtype=torch.bool),
-            }
-        )
-    return annotations

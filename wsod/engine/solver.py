@@ -1,4 +1,4 @@
-"""Optimizer parameter groups and the warm-up + multi-step learning-rate schedule (SPEC section 8).
+"""Optimizer parameter groups and the warm-up + multi-step learning-rate schedule (docs/METHOD.md §8).
 
 The schedule counts optimizer steps, not forward passes: with gradient accumulation over N batches, one
 scheduler step happens every N batches, so the recipe's iteration numbers keep their meaning.

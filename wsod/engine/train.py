@@ -11,7 +11,6 @@ JSON object per logged iteration or evaluation), tensorboard events under ``tb/`
 
 from __future__ import annotations
 
-import json
 import logging
 import math
 import time
@@ -22,7 +21,6 @@ from typing import Any
 
 import torch
 from torch import nn
-from torch.utils.tensorboard import SummaryWriter
 from tqdm import tqdm
 from tqdm.contrib.logging import logging_redirect_tqdm
 
@@ -36,6 +34,8 @@ from wsod.engine.checkpoint import (
     save_checkpoint,
     set_rng_state,
 )
+from wsod.engine.evaluate import Evaluator
+from wsod.engine.run_log import RunLog
 
 __all__ = ["train", "NonFiniteLossError"]
 
@@ -73,8 +73,7 @@ def train(
     keep_checkpoints: int = 3,
     log_period: int = 20,
     eval_period: int = 0,
-    evaluate: Callable[[nn.Module], dict[str, float]] | None = None,
-    best_metric: str | None = None,
+    evaluator: Evaluator | None = None,
     max_nonfinite: int = 10,
     progress: bool = True,
     metadata: dict[str, Any] | None = None,
@@ -89,9 +88,9 @@ def train(
         amp: None, "bf16" or "fp16" (fp16 uses a GradScaler); CUDA only, ignored on CPU; bf16 becomes
             fp16 on GPUs without native bfloat16 (``wsod.engine.amp.resolve_amp``).
         resume: continue from the newest readable checkpoint in ``run_dir`` (a fresh start if none).
-        evaluate: ``model -> metrics``, called on every process (prediction may be distributed) every
-            ``eval_period`` steps and at the end; the checkpoint with the highest ``best_metric`` is kept
-            as ``model_best.pth``.
+        evaluator: called on every process (prediction is distributed) every ``eval_period`` steps
+            before the last; the checkpoint with the highest value of its primary metric is kept as
+            ``model_best.pth``. The final evaluation is the caller's, after ``model_final.pth`` exists.
         max_nonfinite: abort after this many consecutive steps whose loss is not finite (each such step
             is skipped, counted and logged).
         metadata: stored in every checkpoint under "metadata" (e.g. the model config and class names,
@@ -119,16 +118,10 @@ def train(
     elif resume:
         logger.info("resume requested but no checkpoint in %s: starting from scratch", run_dir)
 
-    writer = SummaryWriter(run_dir / "tb") if main else None
-    metrics_file = open(run_dir / "metrics.jsonl", "a") if main else None  # noqa: SIM115 (closed below)
+    run_log = RunLog(run_dir, enabled=main)
 
     def record(kind: str, values: dict[str, Any]) -> None:
-        entry = {"kind": kind, "iteration": state["iteration"], **values}
-        metrics_file.write(json.dumps(entry) + "\n")
-        metrics_file.flush()
-        for name, value in values.items():
-            if isinstance(value, int | float) and math.isfinite(value):
-                writer.add_scalar(f"{kind}/{name}", value, state["iteration"])
+        run_log.record(kind, state["iteration"], values)
 
     def checkpoint_state() -> dict[str, Any]:
         return {
@@ -149,10 +142,10 @@ def train(
     def run_evaluation() -> None:
         model.eval()
         with torch.no_grad():
-            metrics = evaluate(_unwrap(model))
+            metrics = evaluator(_unwrap(model)).metrics
         model.train()
         state["last_eval"] = metrics
-        value = metrics.get(best_metric) if best_metric else None
+        value = metrics.get(evaluator.primary_metric)
         is_best = value is not None and (state["best"] is None or value > state["best"]["value"])
         if is_best:
             state["best"] = {"value": value, "iteration": state["iteration"]}
@@ -228,10 +221,9 @@ def train(
                 step_start = time.perf_counter()
             if main and checkpoint_period and state["iteration"] % checkpoint_period == 0:
                 save_periodic()
-            if evaluate is not None and eval_period and state["iteration"] % eval_period == 0:
+            periodic = eval_period and state["iteration"] % eval_period == 0
+            if evaluator is not None and periodic and state["iteration"] < max_iter:
                 run_evaluation()
-        if evaluate is not None and (not eval_period or state["iteration"] % eval_period != 0):
-            run_evaluation()
         if main:
             save_periodic()
             final = {
@@ -243,9 +235,7 @@ def train(
     finally:
         cleanup.close()
         bar.close()
-        if main:
-            writer.close()
-            metrics_file.close()
+        run_log.close()
     return {
         "iteration": state["iteration"],
         "skipped_steps": state["skipped_steps"],

@@ -1,4 +1,4 @@
-"""Golden result: losses and detections of a fixed-seed tiny detector, stored in tests/golden/.
+"""Golden result: losses and detections of a fixed-seed tiny detector, stored in tests/modeling/golden/.
 
 A refactoring must not change what the detector computes. When a change is meant to (a new default that
 the method calls for), rerun with ``WSOD_UPDATE_GOLDEN=1`` and say why in the commit: the failure message

@@ -180,3 +180,31 @@ def test_one_training_step_on_images_without_a_positive_class(labels):
     optimizer.step()
     assert all(torch.isfinite(p).all() for p in model.parameters())
     assert any(not torch.equal(p, before[n]) for n, p in model.named_parameters())
+
+
+def test_any_pseudo_labeller_plugs_in_without_touching_the_detector():
+    calls = []
+
+    def all_background(proposals, scores, image_labels):
+        """Every ROI background with weight 1: the students learn to say 'nothing here'."""
+        calls.append((proposals.shape, scores.shape, image_labels.shape))
+        count = len(proposals)
+        return torch.zeros(count, dtype=torch.int64), torch.ones(count), torch.zeros(count, 4)
+
+    model = _tiny(4, labeler=all_background)
+    images, proposals, labels = _batch()
+    features = model.roi_features(images, proposals)
+    losses = model.losses(features, proposals, labels)
+    # Called per image and per student with the foreground columns of the source scores.
+    per_image = [((n, 4), (n, NUM_CLASSES), (NUM_CLASSES,)) for n in (13, 6)]
+    assert calls == per_image * 3
+    for k, student in enumerate(model.students, start=1):
+        logits, _ = student(features)
+        expected = torch.stack(
+            [
+                torch.nn.functional.cross_entropy(part, torch.zeros(len(part), dtype=torch.int64))
+                for part in logits.split([13, 6])
+            ]
+        ).mean()
+        assert torch.allclose(losses[f"loss_ref_cls_{k}"], (3.0 if k == 1 else 1.0) * expected)
+        assert losses[f"loss_ref_box_{k}"] == 0

@@ -12,7 +12,7 @@ import torch
 
 from wsod.benchmarks.rois import cap_cuda_memory, find_max_rois, linear_fit
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def _load_tool():

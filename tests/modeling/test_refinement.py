@@ -12,7 +12,7 @@ from wsod.modeling.mil import MILHead, mil_loss
 from wsod.modeling.refinement import mist_pseudo_labels, oicr_pseudo_labels, refinement_losses
 
 # ----------------------------------------------------------------------------------------------------
-# Naive references: plain Python floats and loops, written from SPEC sections 3-4.
+# Naive references: plain Python floats and loops, written from docs/METHOD.md §3-4.
 
 
 def naive_iou(a, b):
@@ -241,3 +241,69 @@ def test_refinement_losses_match_naive_reference():
     assert cls_loss.item() == pytest.approx(exp_cls, rel=1e-12)
     assert box_loss.item() == pytest.approx(exp_box, rel=1e-12)
     assert box_loss.item() > 0
+
+
+# ----------------------------------------------------------------------------------------------------
+# The detector's losses end to end.
+
+
+def naive_softmax_rows(rows):
+    out = []
+    for row in rows:
+        norm = sum(math.exp(v) for v in row)
+        out.append([math.exp(v) / norm for v in row])
+    return out
+
+
+def naive_detector_losses(model, roi_features, proposals, image_labels, first_weight):
+    """Every loss of ``WeaklySupervisedDetector.losses`` from the naive references: MIL on the teacher;
+    student 1 on the teacher's ROI scores, student k on softmax(student k-1); x ``first_weight`` on
+    student 1; each loss a mean over an image's ROIs, then over images."""
+    counts = [len(p) for p in proposals]
+    features = roi_features
+    cls_logits = model.mil_head.cls_score(features).tolist()
+    det_logits = model.mil_head.det_score(features).tolist()
+    losses = {"loss_mil": naive_mil_loss(cls_logits, det_logits, counts, image_labels.tolist())}
+    source = model.mil_head(features, counts).tolist()  # teacher ROI scores (checked by the MIL test)
+    for k, student in enumerate(model.students, start=1):
+        logits, deltas = (t.tolist() for t in student(features))
+        labels, weights, targets = [], [], []
+        start = 0
+        for boxes, image_label in zip(proposals, image_labels, strict=True):
+            rows = source[start : start + len(boxes)]
+            start += len(boxes)
+            got = naive_pseudo_labels(
+                boxes.tolist(), [r[1:] for r in rows], image_label.tolist(),
+                p=0.15, tau=0.2, fg_iou=0.5, suppress="candidates",
+            )  # fmt: skip
+            labels += got[0]
+            weights += got[1]
+            targets += got[2]
+        cls_loss, box_loss = naive_refinement_losses(logits, deltas, labels, weights, targets, counts)
+        factor = first_weight if k == 1 else 1.0
+        losses[f"loss_ref_cls_{k}"] = factor * cls_loss
+        losses[f"loss_ref_box_{k}"] = factor * box_loss
+        source = naive_softmax_rows(logits)
+    return losses
+
+
+def test_detector_losses_equal_the_naive_references_end_to_end():
+    from wsod.modeling import build_detector
+
+    torch.manual_seed(0)
+    model = build_detector("resnet18", num_classes=4, chunk_size=None, width=0.25).double()
+    with torch.no_grad():  # sharper heads than the N(0, 0.001) init, so that ranks and IoUs matter
+        for name, p in model.named_parameters():
+            if name.startswith(("mil_head", "students")) and name.endswith("weight"):
+                p.normal_(std=0.3)
+    images = [random_image(seed, n, 4) for seed, n in ((10, 30), (11, 9), (12, 17))]
+    proposals = [p for p, _, _ in images]
+    image_labels = torch.stack([labels for _, _, labels in images])
+    image_labels[1] = 0  # an image without any positive class: MIL loss only
+    features = torch.randn(sum(len(p) for p in proposals), 128, dtype=torch.double)
+    losses = model.losses(features, proposals, image_labels)
+    expected = naive_detector_losses(model, features, proposals, image_labels, first_weight=3.0)
+    assert losses.keys() == expected.keys()
+    for name, value in expected.items():
+        assert losses[name].item() == pytest.approx(value, rel=1e-10, abs=1e-12), name
+    assert all(value > 0 for value in expected.values())  # nothing compared is trivially zero

@@ -13,6 +13,7 @@ import torch
 from hydra import compose, initialize_config_dir
 from tiny_run import tiny_overrides
 
+from wsod.build import load_detector
 from wsod.run import train_from_config
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -172,3 +173,15 @@ def test_the_process_group_is_left_even_when_the_run_fails(monkeypatch, entry):
     with pytest.raises(RuntimeError, match="boom"):
         getattr(run, entry)(None)
     assert events == ["setup", "cleanup"]
+
+
+def test_method_oicr_switches_the_refinement_method_from_the_command_line(tiny_toy_root, tmp_path):
+    run_dir = tmp_path / "oicr"
+    overrides = tiny_overrides(
+        tiny_toy_root, run_dir, **{"method": "oicr", "solver.max_iter": 2, "random_baseline": "false"}
+    )
+    _run(["tools/train.py", *overrides])
+    assert "name: oicr" in (run_dir / "config.yaml").read_text()
+    model, metadata = load_detector(run_dir / "model_final.pth")
+    assert metadata["method"] == {"name": "oicr", "fg_iou": 0.5}
+    assert type(model.labeler).__name__ == "OICRLabeler"

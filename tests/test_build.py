@@ -1,0 +1,53 @@
+"""wsod/build.py: labellers from method configs, and checkpoints back into detectors (load_detector)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from wsod.build import build_labeler, build_model, load_detector
+from wsod.engine.checkpoint import save_checkpoint
+from wsod.modeling.refinement import MISTLabeler, OICRLabeler
+
+TINY_MODEL = {"backbone": "resnet18", "width": 0.25, "weights": None, "chunk_size": 8}
+
+
+def _checkpoint(tmp_path, metadata, model):
+    path = tmp_path / "model_final.pth"
+    save_checkpoint({"model": model.state_dict(), "iteration": 3, "metadata": metadata}, path)
+    return path
+
+
+def test_load_detector_rebuilds_the_model_its_weights_and_its_method(tmp_path):
+    torch.manual_seed(0)
+    model = build_model(TINY_MODEL, 3, {"name": "oicr", "fg_iou": 0.6})
+    metadata = {"model": TINY_MODEL, "method": {"name": "oicr", "fg_iou": 0.6}, "classes": ["a", "b", "c"]}
+    loaded, saved = load_detector(_checkpoint(tmp_path, metadata, model))
+    assert saved["classes"] == ["a", "b", "c"] and not loaded.training
+    assert loaded.labeler == OICRLabeler(fg_iou=0.6)
+    for (name, ours), theirs in zip(loaded.state_dict().items(), model.state_dict().values(), strict=True):
+        assert torch.equal(ours, theirs), name
+
+
+def test_load_detector_reads_checkpoints_written_before_method_configs(tmp_path):
+    model = build_model(TINY_MODEL, 2)
+    legacy = {**TINY_MODEL, "pseudo_labels": "mist", "mist_p": 0.3, "mist_tau": 0.4, "mist_suppress": "kept"}
+    loaded, _ = load_detector(
+        _checkpoint(tmp_path, {"model": {**legacy, "fg_iou": 0.55}, "classes": ["a", "b"]}, model)
+    )
+    assert loaded.labeler == MISTLabeler(p=0.3, tau=0.4, suppress="kept", fg_iou=0.55)
+
+
+def test_load_detector_refuses_what_is_not_a_wsod_checkpoint(tmp_path):
+    path = tmp_path / "weights.pth"
+    save_checkpoint({"state_dict": {}}, path)
+    with pytest.raises(ValueError, match="weights.pth holds no model settings"):
+        load_detector(path)
+    with pytest.raises(FileNotFoundError, match="checkpoint not found"):
+        load_detector(tmp_path / "missing.pth")
+
+
+def test_unknown_method_names_the_choices():
+    with pytest.raises(ValueError, match=r"unknown method 'pcl': expected one of \['mist', 'oicr'\]"):
+        build_labeler({"name": "pcl"})
+    assert build_labeler(None) == MISTLabeler()

@@ -1,0 +1,45 @@
+"""A run's numbers on disk: one JSON object per line in ``metrics.jsonl`` and tensorboard scalars."""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+from typing import Any
+
+from torch.utils.tensorboard import SummaryWriter
+
+__all__ = ["RunLog"]
+
+
+class RunLog:
+    """Appends ``{"kind", "iteration", **values}`` rows to ``run_dir/metrics.jsonl`` and each finite
+    number to tensorboard as ``<kind>/<name>`` (events under ``run_dir/tb``). With ``enabled=False``
+    (every process but the main one) it writes nothing. Use as a context manager, or ``close()``."""
+
+    def __init__(self, run_dir: str | Path, enabled: bool = True) -> None:
+        self.enabled = enabled
+        if enabled:
+            run_dir = Path(run_dir)
+            self._file = open(run_dir / "metrics.jsonl", "a")  # noqa: SIM115 (closed by close())
+            self._writer = SummaryWriter(run_dir / "tb")
+
+    def record(self, kind: str, iteration: int, values: dict[str, Any]) -> None:
+        if not self.enabled:
+            return
+        self._file.write(json.dumps({"kind": kind, "iteration": iteration, **values}) + "\n")
+        self._file.flush()
+        for name, value in values.items():
+            if isinstance(value, int | float) and math.isfinite(value):
+                self._writer.add_scalar(f"{kind}/{name}", value, iteration)
+
+    def close(self) -> None:
+        if self.enabled:
+            self._file.close()
+            self._writer.close()
+
+    def __enter__(self) -> RunLog:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()
