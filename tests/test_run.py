@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -13,6 +14,7 @@ import torch
 from hydra import compose, initialize_config_dir
 from tiny_run import tiny_overrides
 
+import wsod.run as run
 from wsod.build import load_detector
 from wsod.run import train_from_config
 
@@ -31,6 +33,11 @@ def _run(args: list[str], timeout: int = 300) -> str:
 def _config(overrides: list[str]):
     with initialize_config_dir(config_dir=str(ROOT / "configs"), version_base="1.3"):
         return compose(config_name="train", overrides=overrides)
+
+
+def _eval_config(overrides: list[str]):
+    with initialize_config_dir(config_dir=str(ROOT / "configs"), version_base="1.3"):
+        return compose(config_name="eval", overrides=overrides)
 
 
 def test_train_tool_writes_a_complete_run_directory_and_eval_tool_reads_it(tiny_toy_root, tmp_path):
@@ -78,20 +85,30 @@ def _final_weights(run_dir: Path) -> dict[str, torch.Tensor]:
     return torch.load(run_dir / "model_final.pth", weights_only=False)["model"]
 
 
-def test_resumed_run_reaches_the_same_weights(tiny_toy_root, tmp_path, caplog):
+def test_resumed_run_reaches_the_same_weights(tiny_toy_root, tmp_path, caplog, monkeypatch):
     extra = {"data.test.batch_size": 6, "random_baseline": "false"}
     straight = tmp_path / "straight"
     train_from_config(_config(tiny_overrides(tiny_toy_root, straight, **extra)))
 
+    # A run killed during iteration 4: checkpoints of 2 and 3 (the one of 3 left truncated by the kill).
     interrupted = tmp_path / "interrupted"
-    train_from_config(_config(tiny_overrides(tiny_toy_root, interrupted, **{**extra, "solver.max_iter": 2})))
-    # A later checkpoint that a crash left truncated must be skipped, with a warning.
+    shutil.copytree(straight, interrupted)
+    for name in ("model_0000004.pth", "model_final.pth", "eval"):
+        shutil.rmtree(interrupted / name) if name == "eval" else (interrupted / name).unlink()
     (interrupted / "model_0000003.pth").write_bytes((interrupted / "model_0000002.pth").read_bytes()[:1000])
+    loads = []
+    real = run.latest_valid_checkpoint
+    monkeypatch.setattr(run, "latest_valid_checkpoint", lambda *a, **k: loads.append((a, k)) or real(*a, **k))
     summary = train_from_config(
         _config(tiny_overrides(tiny_toy_root, interrupted, **{**extra, "resume": "true"}))
     )
     assert summary["iteration"] == 4
     assert "skipping unreadable checkpoint" in caplog.text and "resumed from" in caplog.text
+    # Loaded to host memory (the default): a GPU map_location would move the RNG states off the CPU.
+    assert loads == [((interrupted,), {})]
+    rows = [json.loads(line) for line in (interrupted / "metrics.jsonl").read_text().splitlines()]
+    assert [r["iteration"] for r in rows if r["kind"] == "train"] == [1, 2, 3, 4]  # 3 logged once
+    assert (interrupted / "config.yaml").is_file() and (interrupted / "config_resume_0000002.yaml").is_file()
     ours, reference = _final_weights(interrupted), _final_weights(straight)
     assert ours.keys() == reference.keys()
     for name, value in reference.items():
@@ -140,7 +157,8 @@ def test_ddp_two_gloo_processes_match_one_process_at_the_same_global_batch(
 
 def test_eval_under_torchrun_writes_one_directory_and_scores_once(tiny_toy_root, tmp_path):
     run_dir = tmp_path / "run"
-    overrides = tiny_overrides(tiny_toy_root, run_dir, **{"solver.max_iter": 1, "random_baseline": "false"})
+    short = {"solver.max_iter": 1, "solver.milestones": "[1]", "random_baseline": "false"}
+    overrides = tiny_overrides(tiny_toy_root, run_dir, **short)
     _run(["tools/train.py", *overrides])
     data = [o for o in overrides if o.startswith("data.")]
     # No output_dir: rank 0 picks runs/eval/<date>_<time> under the working directory and shares it.
@@ -160,8 +178,6 @@ def test_eval_under_torchrun_writes_one_directory_and_scores_once(tiny_toy_root,
 
 @pytest.mark.parametrize("entry", ["train_from_config", "evaluate_from_config"])
 def test_the_process_group_is_left_even_when_the_run_fails(monkeypatch, entry):
-    import wsod.run as run
-
     events = []
     monkeypatch.setattr(run, "setup_distributed", lambda: events.append("setup"))
     monkeypatch.setattr(run, "cleanup_distributed", lambda: events.append("cleanup"))
@@ -170,15 +186,16 @@ def test_the_process_group_is_left_even_when_the_run_fails(monkeypatch, entry):
         raise RuntimeError("boom")
 
     monkeypatch.setattr(run, "_train" if entry == "train_from_config" else "_evaluate", fail)
+    cfg = _config([]) if entry == "train_from_config" else _eval_config(["checkpoint=x.pth"])
     with pytest.raises(RuntimeError, match="boom"):
-        getattr(run, entry)(None)
+        getattr(run, entry)(cfg)
     assert events == ["setup", "cleanup"]
 
 
 def test_method_oicr_switches_the_refinement_method_from_the_command_line(tiny_toy_root, tmp_path):
     run_dir = tmp_path / "oicr"
     overrides = tiny_overrides(
-        tiny_toy_root, run_dir, **{"method": "oicr", "solver.max_iter": 2, "random_baseline": "false"}
+        tiny_toy_root, run_dir, **{"method": "oicr", "solver.max_iter": 2, "solver.milestones": "[1]"}
     )
     _run(["tools/train.py", *overrides])
     assert "name: oicr" in (run_dir / "config.yaml").read_text()

@@ -11,6 +11,7 @@ from pathlib import Path
 import hydra
 from omegaconf import DictConfig
 
+from wsod.cli import run_tool
 from wsod.run import evaluate_from_config
 
 CONFIGS = str(Path(__file__).resolve().parents[1] / "configs")
@@ -18,7 +19,7 @@ CONFIGS = str(Path(__file__).resolve().parents[1] / "configs")
 
 @hydra.main(config_path=CONFIGS, config_name="eval", version_base="1.3")
 def main(cfg: DictConfig) -> None:
-    evaluate_from_config(cfg)
+    run_tool(evaluate_from_config, cfg)  # an error: one line here, the traceback in log.txt, exit status 1
 
 
 if __name__ == "__main__":

@@ -106,16 +106,19 @@ def load_detector(
     return model.to(map_location).eval(), metadata
 
 
-def prepare_data(data_cfg: DictConfig) -> None:
-    """Generate what a dataset needs on first use (the toy set): the main process first, the others
-    waiting and then finding it in place, so that ranks never generate it concurrently."""
+def prepare_data(data_cfg: DictConfig, progress: bool = False) -> None:
+    """Generate what a dataset needs on first use (the toy set), with progress bars if asked: the main
+    process first, the others waiting and then finding it in place, so that ranks never generate it
+    concurrently."""
     with main_process_first():
         if data_cfg.kind == "toy":
-            _toy(data_cfg)
+            _toy(data_cfg, progress)
 
 
-def _toy(data_cfg: DictConfig):
-    return ensure_toy_dataset(data_cfg.root, num_train=data_cfg.num_train, num_test=data_cfg.num_test)
+def _toy(data_cfg: DictConfig, progress: bool = False):
+    return ensure_toy_dataset(
+        data_cfg.root, num_train=data_cfg.num_train, num_test=data_cfg.num_test, progress=progress
+    )
 
 
 def _open(

@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig, OmegaConf
 
 from wsod.build import (
@@ -24,6 +25,8 @@ from wsod.build import (
     prepare_data,
     resolve_device,
 )
+from wsod.cli import setup_logging, write_failure
+from wsod.config_checks import EVAL_RULES, TRAIN_RULES, ConfigError, check_config, resume_changes
 from wsod.data.loader import build_train_loader, infinite_batches
 from wsod.distributed import (
     broadcast_object,
@@ -33,7 +36,7 @@ from wsod.distributed import (
     main_process_first,
     setup_distributed,
 )
-from wsod.engine.checkpoint import load_checkpoint, save_checkpoint
+from wsod.engine.checkpoint import latest_valid_checkpoint, list_checkpoints, load_checkpoint, save_checkpoint
 from wsod.engine.evaluate import write_evaluation
 from wsod.engine.run_log import RunLog
 from wsod.engine.train import train
@@ -41,6 +44,7 @@ from wsod.engine.train import train
 __all__ = [
     "train_from_config",
     "evaluate_from_config",
+    "FinalEvaluationError",
     "setup_distributed",
     "setup_logging",
     "choose_output_dir",
@@ -58,25 +62,13 @@ def choose_output_dir(output_dir: str | None, parent: str) -> Path:
     return Path(broadcast_object(output_dir))
 
 
-def setup_logging(run_dir: Path, main: bool) -> None:
-    """INFO to the console and to ``run_dir/log.txt`` on the main process; warnings only elsewhere."""
-    root = logging.getLogger()
-    root.setLevel(logging.INFO if main else logging.WARNING)
-    formatter = logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s", "%H:%M:%S")
-    handlers: list[logging.Handler] = [logging.StreamHandler(sys.stdout)]
-    if main:
-        handlers.append(logging.FileHandler(run_dir / "log.txt"))
-    for handler in root.handlers[:]:
-        if getattr(handler, "_wsod", False):
-            root.removeHandler(handler)
-    for handler in handlers:
-        handler.setFormatter(formatter)
-        handler._wsod = True  # ours to replace when called again (tests run several trainings)
-        root.addHandler(handler)
-
-
 def train_from_config(cfg: DictConfig) -> dict[str, Any]:
-    """Train as ``cfg`` (configs/train.yaml) says; returns the engine's summary plus the final metrics."""
+    """Train as ``cfg`` (configs/train.yaml) says; returns the engine's summary plus the final metrics.
+
+    Nothing runs before the config is checked (``check_config``). A run directory that ends in an error
+    holds ``error.txt``; a finished one holds ``model_final.pth`` whatever the final evaluation does.
+    """
+    check_config(cfg, TRAIN_RULES)
     setup_distributed()
     try:
         return _train(cfg)
@@ -90,17 +82,47 @@ def _train(cfg: DictConfig) -> dict[str, Any]:
     if device.type == "cpu" and cfg.threads:
         torch.set_num_threads(cfg.threads)
     if cfg.resume and cfg.output_dir is None:
-        raise ValueError("resume=true needs the run to continue: output_dir=runs/<the run's directory>")
+        raise ConfigError("resume=true needs the run to continue: output_dir=runs/<the run's directory>")
     run_dir = choose_output_dir(cfg.output_dir, "runs")
+    if not cfg.resume and (list_checkpoints(run_dir) or (run_dir / "model_final.pth").exists()):
+        raise ConfigError(
+            f"{run_dir} already holds a run (checkpoints): resume=true continues it; another output_dir"
+            " starts a new one"
+        )
     run_dir.mkdir(parents=True, exist_ok=True)
     setup_logging(run_dir, main)
+    try:
+        summary = _train_in(run_dir, cfg, device)
+    except Exception as error:
+        if main:
+            write_failure(run_dir, error)
+        raise
     if main:
-        (run_dir / "config.yaml").write_text(OmegaConf.to_yaml(cfg, resolve=True))
+        (run_dir / "error.txt").unlink(missing_ok=True)  # from an earlier attempt that this one resumed
+    return summary
+
+
+def _train_in(run_dir: Path, cfg: DictConfig, device: torch.device) -> dict[str, Any]:
+    main = is_main_process()
+    resolved = OmegaConf.to_container(cfg, resolve=True)
+    resume_from = latest_valid_checkpoint(run_dir) if cfg.resume else None
+    if main:
         logger.info("command: %s", " ".join(sys.argv))
         logger.info("run directory %s, device %s, %d process(es)", run_dir, device, get_world_size())
+    if resume_from is None:
+        if cfg.resume:
+            logger.info("resume requested but no checkpoint in %s: starting from scratch", run_dir)
+        config_file = run_dir / "config.yaml"
+    else:
+        path, checkpoint = resume_from
+        iteration = checkpoint["trainer"]["iteration"]
+        _log_resume_changes(checkpoint["metadata"].get("config"), resolved, path)
+        config_file = run_dir / f"config_resume_{iteration:07d}.yaml"  # the original config.yaml stays
+    if main:
+        config_file.write_text(OmegaConf.to_yaml(cfg, resolve=True))
     torch.manual_seed(cfg.seed)  # identical initial weights on every rank
 
-    prepare_data(cfg.data)
+    prepare_data(cfg.data, progress=cfg.progress and main)
     train_set = build_train_dataset(cfg.data)
     evaluator = build_evaluator(cfg.data, device, cfg.progress)
     with main_process_first():  # ImageNet weights: fetched into torch hub's cache once, then read
@@ -117,22 +139,29 @@ def _train(cfg: DictConfig) -> dict[str, Any]:
         pin_memory=device.type == "cuda",
     )  # fmt: skip
     metadata = {
-        "model": OmegaConf.to_container(cfg.model, resolve=True),
-        "method": OmegaConf.to_container(cfg.method, resolve=True),
+        "model": resolved["model"],
+        "method": resolved["method"],
         "classes": list(train_set.classes),
+        "config": resolved,  # what a resume compares its own config with
     }
     summary = train(
         wrapped, optimizer, scheduler, lambda start: infinite_batches(loader, start),
         max_iter=cfg.solver.max_iter, run_dir=run_dir, device=device, accumulation=cfg.solver.accumulation,
-        amp=cfg.solver.amp, resume=cfg.resume, checkpoint_period=cfg.checkpoint_period,
+        amp=cfg.solver.amp, resume_from=resume_from, checkpoint_period=cfg.checkpoint_period,
         keep_checkpoints=cfg.keep_checkpoints, log_period=cfg.log_period, eval_period=cfg.eval_period,
         evaluator=evaluator, max_nonfinite=cfg.max_nonfinite, progress=cfg.progress, metadata=metadata,
     )  # fmt: skip
 
-    # The final evaluation runs once model_final.pth is on disk, so a failing evaluation loses no work.
+    # model_final.pth is on disk: a failing evaluation loses no work, and says how to redo it alone.
     model.eval()
-    with torch.no_grad():
-        final = evaluator(model, random_baseline=cfg.random_baseline)
+    try:
+        with torch.no_grad():
+            final = evaluator(model, random_baseline=cfg.random_baseline)
+    except Exception as error:
+        raise FinalEvaluationError(
+            f"the final evaluation failed ({type(error).__name__}: {error}). The trained weights are safe in"
+            f" {run_dir / 'model_final.pth'}; evaluate them alone with: {_eval_command(run_dir)}"
+        ) from error
     write_evaluation(final, evaluator.dataset, run_dir / "eval")
     with RunLog(run_dir, enabled=main) as run_log:
         run_log.record("eval", summary["iteration"], {**final.metrics, **final.extra})
@@ -141,20 +170,47 @@ def _train(cfg: DictConfig) -> dict[str, Any]:
     return summary
 
 
+class FinalEvaluationError(RuntimeError):
+    """Training finished and its weights are saved, but the evaluation after it failed."""
+
+
+def _log_resume_changes(saved: dict[str, Any] | None, new: dict[str, Any], path: Path) -> None:
+    """Refuse the changes a resume cannot honour (``resume_changes``), log the others."""
+    if saved is None:
+        logger.warning("%s holds no config (an older checkpoint): changed settings cannot be checked", path)
+        return
+    changes = resume_changes(saved, new)
+    if changes:
+        logger.info("settings changed since %s, applied from now on:\n  %s", path.name, "\n  ".join(changes))
+
+
+def _eval_command(run_dir: Path) -> str:
+    """The tools/eval.py command that evaluates this run's final weights on the same test data."""
+    words = ["python", "tools/eval.py", f"checkpoint={run_dir / 'model_final.pth'}"]
+    try:  # the data group and data.* overrides of this command line, when Hydra composed it
+        hydra = HydraConfig.get()
+        words.append(f"data={hydra.runtime.choices['data']}")
+        words += [o for o in hydra.overrides.task if o.startswith("data.")]
+    except (ValueError, KeyError):
+        pass
+    return " ".join(words)
+
+
 def _keep_if_best(run_dir: Path, summary: dict[str, Any], value: float | None, metric: str) -> None:
-    """Make the final model ``model_best.pth`` when its evaluation beats every periodic one."""
+    """Make the final model ``model_best.pth`` when its evaluation beats every earlier one."""
     best = summary.get("best")
     if value is None or (best is not None and value <= best["value"]):
         return
-    summary["best"] = {"value": value, "iteration": summary["iteration"]}
+    summary["best"] = {"value": value, "iteration": summary["iteration"], "metric": metric}
     if is_main_process():
         final = load_checkpoint(run_dir / "model_final.pth")
-        save_checkpoint({**final, "best": {**summary["best"], "metric": metric}}, run_dir / "model_best.pth")
+        save_checkpoint({**final, "best": summary["best"]}, run_dir / "model_best.pth")
 
 
 def evaluate_from_config(cfg: DictConfig) -> dict[str, float]:
     """Evaluate ``cfg.checkpoint`` (configs/eval.yaml) on ``cfg.data``'s test set; writes predictions,
     metrics, the report, and VOC devkit or COCO result files to ``cfg.output_dir``."""
+    check_config(cfg, EVAL_RULES)
     setup_distributed()
     try:
         return _evaluate(cfg)
@@ -169,8 +225,17 @@ def _evaluate(cfg: DictConfig) -> dict[str, float]:
     out_dir = choose_output_dir(cfg.output_dir, "runs/eval")
     out_dir.mkdir(parents=True, exist_ok=True)
     setup_logging(out_dir, is_main_process())
+    try:
+        return _evaluate_in(out_dir, cfg, device)
+    except Exception as error:
+        if is_main_process():
+            write_failure(out_dir, error)
+        raise
+
+
+def _evaluate_in(out_dir: Path, cfg: DictConfig, device: torch.device) -> dict[str, float]:
     model, metadata = load_detector(cfg.checkpoint, device)
-    prepare_data(cfg.data)
+    prepare_data(cfg.data, progress=cfg.progress and is_main_process())
     evaluator = build_evaluator(cfg.data, device, cfg.progress)
     test_set = evaluator.dataset
     if list(metadata["classes"]) != list(test_set.classes):

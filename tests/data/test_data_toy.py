@@ -4,7 +4,10 @@ from __future__ import annotations
 
 import filecmp
 import json
+import os
 import pickle
+import subprocess
+import sys
 
 import numpy as np
 import pytest
@@ -89,3 +92,16 @@ def test_full_toy_dataset(tmp_path):
     report = records_recall(toy.dataset("test").proposals, records)
     print(f"toy test recall@0.5 {report.at(0.5):.4f} recall@0.7 {report.at(0.7):.4f}")
     assert report.at(0.5) >= 0.9
+
+
+def test_generation_shows_progress_and_cleans_up_after_killed_generations(tmp_path, capsys):
+    dead = subprocess.run(
+        [sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True
+    )
+    abandoned = tmp_path / f".toy.tmp-{int(dead.stdout)}"  # a generation killed with kill -9
+    (abandoned / "VOCdevkit").mkdir(parents=True)
+    alive = tmp_path / f".toy.tmp-{os.getppid()}"  # a generation still running elsewhere
+    alive.mkdir()
+    ensure_toy_dataset(tmp_path / "toy", num_train=2, num_test=1, workers=1, progress=True)
+    assert not abandoned.exists() and alive.is_dir()
+    assert "toy images" in capsys.readouterr().err  # tqdm's bar, on stderr

@@ -169,3 +169,13 @@ def test_max_proposals_keeps_the_first(make_voc):
     devkit = make_voc(IMAGES, {"trainval": ["000005"]})
     dataset = VOCDataset(devkit, "2007", "trainval", _proposals(["000005"]), classes=CLASSES, max_proposals=1)
     torch.testing.assert_close(dataset[0]["proposals"], torch.tensor([[0.0, 0, 19, 19]]))
+
+
+def test_empty_image_set_and_non_numeric_coordinates_name_the_file_and_field(make_voc):
+    devkit = make_voc(
+        {"000001": (20, 30, [("dog", ("1", "abc", "10", "10"), 0)])}, {"test": ["000001"], "empty": []}
+    )
+    with pytest.raises(ValueError, match=r"image set file .*Main/empty\.txt lists no image"):
+        load_voc_records(devkit, "2007", "empty", CLASSES)
+    with pytest.raises(ValueError, match=r"000001\.xml: <bndbox><ymin> is 'abc', not a number"):
+        load_voc_records(devkit, "2007", "test", CLASSES)

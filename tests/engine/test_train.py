@@ -1,29 +1,121 @@
-"""The training loop's own rules (the end-to-end runs are in tests/test_run.py)."""
+"""The training loop's own rules: non-finite steps are skipped without a trace and abort cleanly; a
+resume places the schedule at the restored iteration and logs each iteration once. (The end-to-end
+runs through tools/train.py are in tests/test_run.py.)"""
 
 from __future__ import annotations
 
+import json
+
+import pytest
 import torch
 from torch import nn
 
-from wsod.engine.solver import build_scheduler
+from wsod.engine.checkpoint import latest_valid_checkpoint
+from wsod.engine.solver import build_optimizer, build_scheduler
+from wsod.engine.train import NonFiniteLossError, train
 
 
-def test_resume_loads_the_checkpoint_to_host_memory(monkeypatch, tmp_path):
-    # On CUDA a map_location of the device would move the RNG byte tensors to the GPU, which
-    # torch.set_rng_state refuses; load_state_dict moves weights to their parameters' devices anyway.
-    import wsod.engine.train as engine
+class _Tiny(nn.Module):
+    """Takes the detector's keyword arguments; its loss turns NaN on the calls listed in ``poisoned``
+    (counted from 1), after the forward has updated the BatchNorm statistics."""
 
-    seen = []
+    def __init__(self, poisoned=(), scale=1.0):
+        super().__init__()
+        self.norm = nn.BatchNorm1d(3)
+        self.fc = nn.Linear(3, 1)
+        self.poisoned, self.calls, self.scale = set(poisoned), 0, scale
 
-    def spy(directory, map_location="cpu"):
-        seen.append(map_location)
+    def forward(self, images, proposals, image_labels, image_sizes, original_sizes):
+        self.calls += 1
+        loss = self.scale * self.fc(self.norm(images.flatten(1)[:, :3])).pow(2).mean()
+        return {"loss_a": loss * float("nan") if self.calls in self.poisoned else loss}
 
-    monkeypatch.setattr(engine, "latest_valid_checkpoint", spy)
-    model = nn.Linear(2, 1)
-    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
-    scheduler = build_scheduler(optimizer, milestones=[])
-    engine.train(
-        model, optimizer, scheduler, lambda start: iter(()), max_iter=0, run_dir=tmp_path,
-        device=torch.device("cpu"), resume=True, progress=False,
+
+def _batches(start):
+    g = torch.Generator().manual_seed(100 + start)
+    while True:
+        yield {
+            "images": torch.randn(4, 3, 1, 1, generator=g),
+            "proposals": [torch.zeros(1, 4)] * 4,
+            "image_labels": torch.ones(4, 2),
+            "image_sizes": [(1, 1)] * 4,
+            "original_sizes": [(1, 1)] * 4,
+        }
+
+
+def _setup(poisoned=(), lr=0.1, scale=1.0):
+    torch.manual_seed(0)
+    model = _Tiny(poisoned, scale)
+    optimizer = build_optimizer(model, name="sgd", lr=lr, momentum=0.9, weight_decay=0.0)
+    return model, optimizer, build_scheduler(optimizer, milestones=[4], warmup_iters=2)
+
+
+def _run(model, optimizer, scheduler, run_dir, max_iter, **options):
+    return train(
+        model, optimizer, scheduler, _batches, max_iter=max_iter, run_dir=run_dir,
+        device=torch.device("cpu"), progress=False, log_period=1, **options,
     )  # fmt: skip
-    assert seen == ["cpu"]
+
+
+def _state(model, optimizer):
+    return {k: v.clone() for k, v in model.state_dict().items()}, [
+        optimizer.state[p]["momentum_buffer"].clone() for p in model.parameters()
+    ]
+
+
+def test_non_finite_steps_change_nothing_and_too_many_abort_naming_the_last_finite_step(tmp_path):
+    reference = _setup()
+    _run(*reference, tmp_path / "reference", max_iter=2)
+    weights, momentum = _state(*reference[:2])
+
+    model, optimizer, scheduler = _setup(poisoned={3, 4, 5})
+    with pytest.raises(NonFiniteLossError) as caught:
+        _run(model, optimizer, scheduler, tmp_path / "run", max_iter=8, max_nonfinite=3, checkpoint_period=1)
+    assert str(caught.value).startswith(
+        "training stopped: 3 consecutive steps (up to iteration 5) had a non-finite loss or gradient;"
+        " the last finite step was iteration 2."
+    )
+    # Weights, BatchNorm statistics and momentum are those after iteration 2: nothing was applied.
+    ours, our_momentum = _state(model, optimizer)
+    for name, value in weights.items():
+        assert torch.equal(ours[name], value), name
+    assert all(torch.equal(a, b) for a, b in zip(our_momentum, momentum, strict=True))
+    # Every checkpoint holds finite weights; the skipped steps are logged.
+    _, newest = latest_valid_checkpoint(tmp_path / "run")
+    assert newest["trainer"]["iteration"] == 4 and newest["trainer"]["skipped_steps"] == 2
+    assert all(torch.isfinite(v).all() for v in newest["model"].values() if v.is_floating_point())
+
+
+def test_a_few_non_finite_steps_are_skipped_and_training_goes_on(tmp_path):
+    model, optimizer, scheduler = _setup(poisoned={2, 3})
+    summary = _run(model, optimizer, scheduler, tmp_path, max_iter=5, max_nonfinite=3)
+    assert summary["iteration"] == 5 and summary["skipped_steps"] == 2
+    assert all(torch.isfinite(p).all() for p in model.parameters())
+
+
+def test_an_update_that_makes_weights_non_finite_stops_at_once(tmp_path):
+    model, optimizer, scheduler = _setup(
+        lr=1e30, scale=1e10
+    )  # finite loss and gradients, an overflowing step
+    with pytest.raises(NonFiniteLossError, match="the update of iteration 1 made parameters non-finite"):
+        _run(model, optimizer, scheduler, tmp_path, max_iter=3, checkpoint_period=1)
+    assert not list(tmp_path.glob("model_*.pth"))
+
+
+def _rows(run_dir):
+    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+def test_resume_applies_a_new_learning_rate_and_logs_each_iteration_once(tmp_path):
+    _run(*_setup(), tmp_path, max_iter=4, checkpoint_period=2, keep_checkpoints=5)
+    assert [r["iteration"] for r in _rows(tmp_path)] == [1, 2, 3, 4]
+    (tmp_path / "model_0000004.pth").unlink()  # interrupted after iteration 3: resumes from 2
+
+    model, optimizer, scheduler = _setup(lr=0.5)  # the run's new config says lr 0.5
+    found = latest_valid_checkpoint(tmp_path)
+    _run(model, optimizer, scheduler, tmp_path, max_iter=5, resume_from=found)
+    rows = _rows(tmp_path)
+    assert [r["iteration"] for r in rows] == [1, 2, 3, 4, 5]  # 3 is not repeated
+    # The new rate, at the restored place of the schedule (warm-up over at 2, x0.1 after 4 steps).
+    assert [r["lr"] for r in rows[2:]] == pytest.approx([0.5, 0.5, 0.05])
+    assert optimizer.param_groups[0]["momentum"] == 0.9

@@ -307,3 +307,23 @@ def test_detector_losses_equal_the_naive_references_end_to_end():
     for name, value in expected.items():
         assert losses[name].item() == pytest.approx(value, rel=1e-10, abs=1e-12), name
     assert all(value > 0 for value in expected.values())  # nothing compared is trivially zero
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_binary_cross_entropy_equals_torchs_and_lets_nan_through(dtype):
+    from wsod.modeling.mil import binary_cross_entropy
+
+    g = torch.Generator().manual_seed(0)
+    scores = torch.rand(50, 21, generator=g, dtype=dtype).clamp(1e-10, 1 - 1e-10)
+    scores[0, :3] = torch.tensor([1e-10, 1 - 1e-10, 0.5], dtype=dtype)  # 1 - 1e-10 is 1.0 in float32
+    targets = (torch.rand(50, 21, generator=g) < 0.3).to(dtype)
+    assert torch.equal(
+        binary_cross_entropy(scores, targets), torch.nn.functional.binary_cross_entropy(scores, targets)
+    )
+    # A diverged forward: torch's raises, ours returns NaN for the training loop's non-finite guard.
+    scores[3, 4] = float("nan")
+    with pytest.raises(RuntimeError, match="between 0 and 1"):
+        torch.nn.functional.binary_cross_entropy(scores, targets)
+    assert binary_cross_entropy(scores, targets).isnan()
+    head_scores = torch.full((4, 3), float("nan"), dtype=dtype)
+    assert mil_loss(head_scores, [4], torch.ones(1, 2, dtype=dtype)).isnan()

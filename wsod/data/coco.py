@@ -54,8 +54,8 @@ def read_coco_json(path: str | os.PathLike) -> COCO:
     except json.JSONDecodeError as e:
         raise ValueError(f"{path}: not valid json ({e})") from e
     for key in ("images", "categories"):
-        if key not in data:
-            raise ValueError(f"{path}: no '{key}' list")
+        if not data.get(key):
+            raise ValueError(f"{path}: no '{key}' list, or an empty one")
     annotations = data.setdefault("annotations", [])
     image_ids = {image["id"] for image in data["images"]}
     category_ids = {category["id"] for category in data["categories"]}

@@ -133,8 +133,12 @@ class WeakDetectionDataset(Dataset):
     ) -> None:
         self.classes = tuple(classes)
         records = list(records)
+        if not records:
+            raise ValueError("the dataset has no images")  # the format readers name the empty file
         if drop_unlabelled:
             kept = [r for r in records if r.labels.any()]
+            if not kept:
+                raise ValueError(f"none of the {len(records)} images has an image-level label")
             if len(kept) < len(records):
                 logger.warning(
                     "dropped %d of %d images that have no image-level label",
@@ -142,8 +146,6 @@ class WeakDetectionDataset(Dataset):
                     len(records),
                 )
             records = kept
-        if not records:
-            raise ValueError("the dataset has no images")
         if check_files:
             missing = [r.path for r in records if not os.path.isfile(r.path)]
             if missing:

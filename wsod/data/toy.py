@@ -27,6 +27,7 @@ from pathlib import Path
 import cv2
 import numpy as np
 from PIL import Image
+from tqdm import tqdm
 
 from wsod.atomic import atomic_write
 from wsod.data.box_formats import to_one_based
@@ -166,7 +167,9 @@ def _annotation_xml(image_id: str, size: int, boxes: np.ndarray, labels: np.ndar
     return ET.tostring(root)
 
 
-def _write_devkit(base: Path, seed: int, num_train: int, num_test: int) -> dict[str, list[str]]:
+def _write_devkit(
+    base: Path, seed: int, num_train: int, num_test: int, progress: bool = False
+) -> dict[str, list[str]]:
     """Render every image with its xml and write the image set files; returns split -> ids."""
     for folder in ("JPEGImages", "Annotations", "ImageSets/Main"):
         (base / folder).mkdir(parents=True, exist_ok=True)
@@ -174,7 +177,7 @@ def _write_devkit(base: Path, seed: int, num_train: int, num_test: int) -> dict[
     splits = {"trainval": ids[:num_train], "test": ids[num_train:]}
     splits["train"], splits["val"] = splits["trainval"][0::2], splits["trainval"][1::2]
     present: dict[str, set[int]] = {}
-    for number, image_id in enumerate(ids):
+    for number, image_id in enumerate(tqdm(ids, desc="toy images", disable=not progress, dynamic_ncols=True)):
         image, boxes, labels = render_toy_image(seed, number)
         Image.fromarray(image).save(base / "JPEGImages" / f"{image_id}.jpg", quality=92)
         (base / "Annotations" / f"{image_id}.xml").write_bytes(
@@ -194,6 +197,33 @@ def _paths(root: Path) -> ToyDataset:
         split: root / "proposals" / f"selective_search_{split}.pkl" for split in ("trainval", "test")
     }
     return ToyDataset(root, root / "VOCdevkit", YEAR, TOY_CLASSES, proposals)
+
+
+# A generation writes into a hidden sibling folder named after its process, then renames it into place.
+_STAGING_PREFIX = ".{name}.tmp-"
+
+
+def _remove_abandoned_staging(root: Path) -> None:
+    """Delete the staging folders of generations whose process is gone (killed, or the machine
+    restarted); a live process's folder is left alone."""
+    prefix = _STAGING_PREFIX.format(name=root.name)
+    if not root.parent.is_dir():
+        return
+    for folder in root.parent.glob(f"{prefix}*"):
+        pid = folder.name[len(prefix) :]
+        if pid.isdigit() and not _process_alive(int(pid)):
+            logger.info("removing %s, left behind by an interrupted toy-data generation", folder)
+            shutil.rmtree(folder, ignore_errors=True)
+
+
+def _process_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)  # signal 0: existence check only
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True  # exists, owned by someone else
+    return True
 
 
 def ensure_toy_dataset(
@@ -232,10 +262,11 @@ def ensure_toy_dataset(
 
     start = time.perf_counter()
     logger.info("generating the toy dataset in %s (%d trainval + %d test images)", root, num_train, num_test)
-    staging = root.with_name(f".{root.name}.tmp-{os.getpid()}")
+    _remove_abandoned_staging(root)
+    staging = root.with_name(f"{_STAGING_PREFIX.format(name=root.name)}{os.getpid()}")
     shutil.rmtree(staging, ignore_errors=True)
     try:
-        splits = _write_devkit(staging / "VOCdevkit" / f"VOC{YEAR}", seed, num_train, num_test)
+        splits = _write_devkit(staging / "VOCdevkit" / f"VOC{YEAR}", seed, num_train, num_test, progress)
         images_dir = staging / "VOCdevkit" / f"VOC{YEAR}" / "JPEGImages"
         for split, path in _paths(staging).proposal_files.items():
             images = [(i, str(images_dir / f"{i}.jpg")) for i in splits[split]]

@@ -57,10 +57,14 @@ VOC_CLASSES = (
 
 
 def read_image_set(path: str | os.PathLike) -> list[str]:
-    """Image ids of an ``ImageSets/Main/*.txt`` file (the first column, blank lines skipped)."""
+    """Image ids of an ``ImageSets/Main/*.txt`` file (the first column, blank lines skipped); an empty
+    file is an error naming it (a dataset of no image is a broken download or a wrong split name)."""
     if not Path(path).is_file():
         raise FileNotFoundError(f"image set file not found: {path}")
-    return [line.split()[0] for line in Path(path).read_text().splitlines() if line.strip()]
+    ids = [line.split()[0] for line in Path(path).read_text().splitlines() if line.strip()]
+    if not ids:
+        raise ValueError(f"image set file {path} lists no image")
+    return ids
 
 
 def _text(element: ET.Element, tag: str, path: str | os.PathLike) -> str:
@@ -68,6 +72,14 @@ def _text(element: ET.Element, tag: str, path: str | os.PathLike) -> str:
     if child is None or child.text is None:
         raise ValueError(f"{path}: <{element.tag}> has no <{tag}>")
     return child.text.strip()
+
+
+def _number(element: ET.Element, tag: str, path: str | os.PathLike) -> float:
+    text = _text(element, tag, path)
+    try:
+        return float(text)
+    except ValueError:
+        raise ValueError(f"{path}: <{element.tag}><{tag}> is {text!r}, not a number") from None
 
 
 def parse_voc_xml(
@@ -84,8 +96,8 @@ def parse_voc_xml(
     except ET.ParseError as e:
         raise ValueError(f"{path}: not a valid xml file ({e})") from e
     size = root.find("size")
-    height = int(float(_text(size, "height", path))) if size is not None else 0
-    width = int(float(_text(size, "width", path))) if size is not None else 0
+    height = int(_number(size, "height", path)) if size is not None else 0
+    width = int(_number(size, "width", path)) if size is not None else 0
     boxes, labels, difficult = [], [], []
     for obj in root.iter("object"):
         name = _text(obj, "name", path)
@@ -94,10 +106,10 @@ def parse_voc_xml(
         bndbox = obj.find("bndbox")
         if bndbox is None:
             raise ValueError(f"{path}: object {name!r} has no <bndbox>")
-        boxes.append([float(_text(bndbox, tag, path)) for tag in ("xmin", "ymin", "xmax", "ymax")])
+        boxes.append([_number(bndbox, tag, path) for tag in ("xmin", "ymin", "xmax", "ymax")])
         labels.append(class_to_index[name])
         flag = obj.find("difficult")
-        difficult.append(flag is not None and flag.text is not None and int(flag.text.strip() or 0) == 1)
+        difficult.append(flag is not None and flag.text is not None and _number(obj, "difficult", path) == 1)
     return (
         (height, width),
         from_one_based(np.array(boxes, dtype=np.float32).reshape(-1, 4)),

@@ -9,20 +9,37 @@ from typing import Any
 
 from torch.utils.tensorboard import SummaryWriter
 
+from wsod.atomic import atomic_write
+
 __all__ = ["RunLog"]
 
 
 class RunLog:
     """Appends ``{"kind", "iteration", **values}`` rows to ``run_dir/metrics.jsonl`` and each finite
     number to tensorboard as ``<kind>/<name>`` (events under ``run_dir/tb``). With ``enabled=False``
-    (every process but the main one) it writes nothing. Use as a context manager, or ``close()``."""
+    (every process but the main one) it writes nothing. Use as a context manager, or ``close()``.
 
-    def __init__(self, run_dir: str | Path, enabled: bool = True) -> None:
+    ``purge_after``: a resumed run continues after this iteration; rows and events logged later by the
+    interrupted run are dropped first (tensorboard's ``purge_step``), so each iteration appears once.
+    """
+
+    def __init__(self, run_dir: str | Path, enabled: bool = True, purge_after: int | None = None) -> None:
         self.enabled = enabled
-        if enabled:
-            run_dir = Path(run_dir)
-            self._file = open(run_dir / "metrics.jsonl", "a")  # noqa: SIM115 (closed by close())
-            self._writer = SummaryWriter(run_dir / "tb")
+        if not enabled:
+            return
+        run_dir = Path(run_dir)
+        metrics = run_dir / "metrics.jsonl"
+        if purge_after is not None and metrics.is_file():
+            kept = [
+                line
+                for line in metrics.read_text().splitlines(keepends=True)
+                if line.strip() and json.loads(line)["iteration"] <= purge_after
+            ]
+            with atomic_write(metrics, "w") as stream:
+                stream.writelines(kept)
+        self._file = open(metrics, "a")  # noqa: SIM115 (closed by close())
+        purge_step = None if purge_after is None else purge_after + 1
+        self._writer = SummaryWriter(run_dir / "tb", purge_step=purge_step)
 
     def record(self, kind: str, iteration: int, values: dict[str, Any]) -> None:
         if not self.enabled:

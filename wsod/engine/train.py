@@ -14,6 +14,7 @@ from __future__ import annotations
 import logging
 import math
 import time
+import warnings
 from collections.abc import Callable, Iterator
 from contextlib import ExitStack, nullcontext
 from pathlib import Path
@@ -28,8 +29,8 @@ from wsod.data.loader import model_inputs
 from wsod.distributed import all_reduce_mean, is_main_process
 from wsod.engine.amp import autocast, resolve_amp
 from wsod.engine.checkpoint import (
-    latest_valid_checkpoint,
     list_checkpoints,
+    load_checkpoint,
     rng_state,
     save_checkpoint,
     set_rng_state,
@@ -57,6 +58,73 @@ def _reduce_losses(losses: dict[str, torch.Tensor]) -> dict[str, float]:
     return dict(zip(names, values.tolist(), strict=True))
 
 
+def _load_optimizer_keeping_hyperparameters(optimizer: torch.optim.Optimizer, saved: dict[str, Any]) -> None:
+    """Restore the optimizer's state (momentum buffers, Adam moments) but keep the hyperparameters it was
+    built with (lr, momentum, weight decay...): on a resume the run's current config is the one in
+    effect, and a changed value must not be silently replaced by the checkpoint's."""
+    fresh = [{k: v for k, v in group.items() if k != "params"} for group in optimizer.param_groups]
+    optimizer.load_state_dict(saved)
+    for group, hyperparameters in zip(optimizer.param_groups, fresh, strict=True):
+        group.update(hyperparameters)
+
+
+def _place_schedule(scheduler: torch.optim.lr_scheduler.LRScheduler, iteration: int) -> None:
+    """Put a freshly built scheduler at ``iteration``: the schedule is a function of the iteration alone
+    (``LambdaLR``), so no saved state is needed and a changed schedule takes effect at once."""
+    scheduler.last_epoch = iteration - 1
+    with warnings.catch_warnings():
+        # step() before any optimizer.step() warns about a skipped first value; here it is the point.
+        warnings.simplefilter("ignore", UserWarning)
+        scheduler.step()
+
+
+def _recorded_best(path: Path) -> dict[str, Any] | None:
+    """The evaluation ``model_best.pth`` was saved for, or None (no file, or an unreadable one)."""
+    if not path.is_file():
+        return None
+    try:
+        return load_checkpoint(path).get("best")
+    except RuntimeError as error:
+        logger.warning("ignoring %s: %s", path, error)
+        return None
+
+
+def _better_best(a: dict[str, Any] | None, b: dict[str, Any] | None) -> dict[str, Any] | None:
+    # A checkpoint older than the best evaluation does not know it; model_best.pth does.
+    if a is None or (b is not None and b["value"] > a["value"]):
+        return b
+    return a
+
+
+def _copy_buffers(model: nn.Module) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """(buffer, copy) of every buffer (BatchNorm running statistics and counters, a few kilobytes): a
+    forward pass updates them even when its loss turns out non-finite."""
+    return [(b, b.detach().clone()) for b in model.buffers()]
+
+
+def _restore(buffers: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
+    with torch.no_grad():
+        for buffer, saved in buffers:
+            buffer.copy_(saved)
+
+
+def _gradient_norm(optimizer: torch.optim.Optimizer) -> float:
+    """The L2 norm of all gradients the optimizer would apply (inf or nan if any is not finite)."""
+    grads = [p.grad for group in optimizer.param_groups for p in group["params"] if p.grad is not None]
+    if not grads:
+        return 0.0
+    return torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g.float()) for g in grads])).item()
+
+
+def _check_parameters(model: nn.Module, iteration: int) -> None:
+    if not all(torch.isfinite(p).all() for p in model.parameters()):
+        raise NonFiniteLossError(
+            f"training stopped: the update of iteration {iteration} made parameters non-finite (the loss"
+            " and gradients were finite: the step was too large). Lower solver.lr; checkpoints hold the"
+            " last finite weights"
+        )
+
+
 def train(
     model: nn.Module,
     optimizer: torch.optim.Optimizer,
@@ -68,7 +136,7 @@ def train(
     device: torch.device,
     accumulation: int = 1,
     amp: str | None = None,
-    resume: bool = False,
+    resume_from: tuple[Path, dict[str, Any]] | None = None,
     checkpoint_period: int = 1000,
     keep_checkpoints: int = 3,
     log_period: int = 20,
@@ -87,38 +155,44 @@ def train(
         accumulation: batches per optimizer step (gradients summed; each batch's loss divided by it).
         amp: None, "bf16" or "fp16" (fp16 uses a GradScaler); CUDA only, ignored on CPU; bf16 becomes
             fp16 on GPUs without native bfloat16 (``wsod.engine.amp.resolve_amp``).
-        resume: continue from the newest readable checkpoint in ``run_dir`` (a fresh start if none).
+        resume_from: ``(path, checkpoint)`` of a checkpoint of this run to continue from (see
+            ``latest_valid_checkpoint``): weights, optimizer state, RNG states, counters and the best
+            evaluation are restored; the optimizer hyperparameters and the learning-rate schedule are
+            those of the ``optimizer`` and ``scheduler`` given, placed at the restored iteration (so a
+            changed learning rate takes effect); ``metrics.jsonl`` and tensorboard drop what was logged
+            after the checkpoint, so that each iteration appears once.
         evaluator: called on every process (prediction is distributed) every ``eval_period`` steps
             before the last; the checkpoint with the highest value of its primary metric is kept as
             ``model_best.pth``. The final evaluation is the caller's, after ``model_final.pth`` exists.
-        max_nonfinite: abort after this many consecutive steps whose loss is not finite (each such step
-            is skipped, counted and logged).
+        max_nonfinite: abort after this many consecutive steps whose loss or gradient is not finite.
+            Such a step is skipped: no parameter, buffer (BatchNorm statistics) or optimizer state
+            changes; it is counted and logged. An update that makes a parameter non-finite stops the run
+            at once, so that no checkpoint ever holds non-finite weights.
         metadata: stored in every checkpoint under "metadata" (e.g. the model config and class names,
             so that evaluation can rebuild the model from the checkpoint alone).
 
     Returns a summary: final iteration, skipped steps, last losses and the last evaluation.
     """
     run_dir = Path(run_dir)
+    run_dir.mkdir(parents=True, exist_ok=True)
     main = is_main_process()
     amp = resolve_amp(amp, device)
     scaler = torch.amp.GradScaler(device.type, enabled=amp == "fp16")
-    state = {"iteration": 0, "skipped_steps": 0, "best": None, "last_eval": None}
+    state = {"iteration": 0, "skipped_steps": 0, "best": None, "last_eval": None, "last_finite": None}
 
-    # Loaded to host memory: load_state_dict copies each tensor to its parameter's device, and the RNG
-    # states must stay CPU byte tensors.
-    if resume and (found := latest_valid_checkpoint(run_dir, map_location="cpu")) is not None:
-        path, checkpoint = found
+    if resume_from is not None:
+        path, checkpoint = resume_from
         _unwrap(model).load_state_dict(checkpoint["model"])
-        optimizer.load_state_dict(checkpoint["optimizer"])
-        scheduler.load_state_dict(checkpoint["scheduler"])
+        _load_optimizer_keeping_hyperparameters(optimizer, checkpoint["optimizer"])
         scaler.load_state_dict(checkpoint["scaler"])
         set_rng_state(checkpoint["rng"])
         state.update(checkpoint["trainer"])
+        state["best"] = _better_best(state["best"], _recorded_best(run_dir / "model_best.pth"))
+        _place_schedule(scheduler, state["iteration"])
         logger.info("resumed from %s at iteration %d", path, state["iteration"])
-    elif resume:
-        logger.info("resume requested but no checkpoint in %s: starting from scratch", run_dir)
 
-    run_log = RunLog(run_dir, enabled=main)
+    # On a resume, rows and events logged after the checkpoint's iteration are dropped: they repeat.
+    run_log = RunLog(run_dir, enabled=main, purge_after=state["iteration"] if resume_from else None)
 
     def record(kind: str, values: dict[str, Any]) -> None:
         run_log.record(kind, state["iteration"], values)
@@ -127,7 +201,6 @@ def train(
         return {
             "model": _unwrap(model).state_dict(),
             "optimizer": optimizer.state_dict(),
-            "scheduler": scheduler.state_dict(),
             "scaler": scaler.state_dict(),
             "rng": rng_state(),
             "trainer": dict(state),
@@ -148,12 +221,16 @@ def train(
         value = metrics.get(evaluator.primary_metric)
         is_best = value is not None and (state["best"] is None or value > state["best"]["value"])
         if is_best:
-            state["best"] = {"value": value, "iteration": state["iteration"]}
+            state["best"] = {
+                "value": value,
+                "iteration": state["iteration"],
+                "metric": evaluator.primary_metric,
+            }
         if main:
             record("eval", metrics)
             logger.info("evaluation at iteration %d: %s", state["iteration"], metrics)
             if is_best:
-                save_checkpoint(checkpoint_state(), run_dir / "model_best.pth")
+                save_checkpoint({**checkpoint_state(), "best": state["best"]}, run_dir / "model_best.pth")
 
     batches = make_batches(state["iteration"] * accumulation)
     model.train()
@@ -172,6 +249,7 @@ def train(
         cleanup.enter_context(logging_redirect_tqdm())
     try:
         while state["iteration"] < max_iter:
+            buffers = _copy_buffers(model)  # restored if the step is skipped
             step_losses: dict[str, torch.Tensor] = {}
             for micro in range(accumulation):
                 inputs = model_inputs(next(batches), device)
@@ -184,24 +262,28 @@ def train(
                     step_losses[name] = step_losses.get(name, 0) + value.detach() / accumulation
             step_losses["loss_total"] = sum(step_losses.values())
             reduced = _reduce_losses(step_losses)
-            finite = math.isfinite(reduced["loss_total"])  # the same decision on every process
+            # The same decision on every process: losses are averaged over processes, and DDP has made
+            # the gradients identical. fp16's scaler skips overflowing gradients itself (routinely).
+            finite = math.isfinite(reduced["loss_total"])
+            if finite and not scaler.is_enabled():
+                reduced["grad_norm"] = _gradient_norm(optimizer)
+                finite = math.isfinite(reduced["grad_norm"])
             if finite:
                 consecutive_nonfinite = 0
+                state["last_finite"] = state["iteration"] + 1
                 scaler.step(optimizer)
                 scaler.update()
+                _check_parameters(model, state["iteration"] + 1)
             else:
                 consecutive_nonfinite += 1
                 state["skipped_steps"] += 1
+                _restore(buffers)
                 logger.warning(
-                    "non-finite loss at iteration %d (%s): step skipped (%d skipped in total)",
-                    state["iteration"], reduced, state["skipped_steps"],
+                    "non-finite loss or gradient at iteration %d (%s): step skipped, weights unchanged"
+                    " (%d skipped in total)", state["iteration"] + 1, reduced, state["skipped_steps"],
                 )  # fmt: skip
-                if consecutive_nonfinite >= max_nonfinite:
-                    raise NonFiniteLossError(
-                        f"{consecutive_nonfinite} consecutive steps had a non-finite loss (last: {reduced});"
-                        " lower the learning rate, enable warm-up, or check the data (empty proposals?)"
-                    )
             optimizer.zero_grad(set_to_none=True)
+            lr = optimizer.param_groups[0]["lr"]  # the rate this step used, for the log
             scheduler.step()
             state["iteration"] += 1
             last_losses = reduced
@@ -209,7 +291,7 @@ def train(
 
             if main and (state["iteration"] % log_period == 0 or state["iteration"] == max_iter):
                 seconds = (time.perf_counter() - step_start) / log_period
-                values = {**reduced, "lr": optimizer.param_groups[0]["lr"], "seconds_per_iter": seconds}
+                values = {**reduced, "lr": lr, "seconds_per_iter": seconds}
                 if device.type == "cuda":
                     values["max_memory_mb"] = torch.cuda.max_memory_allocated(device) / 2**20
                 record("train", values)
@@ -219,6 +301,15 @@ def train(
                     "  ".join(f"{k} {v:.4f}" for k, v in reduced.items()), values["lr"], seconds,
                 )  # fmt: skip
                 step_start = time.perf_counter()
+            if consecutive_nonfinite >= max_nonfinite:  # after logging the step, before saving anything
+                last = state["last_finite"]
+                raise NonFiniteLossError(
+                    f"training stopped: {consecutive_nonfinite} consecutive steps (up to iteration"
+                    f" {state['iteration']}) had a non-finite loss or gradient; the last finite step was"
+                    f" {'iteration ' + str(last) if last else 'none of this run'}. Lower solver.lr,"
+                    " lengthen solver.warmup_iters, or check the data; checkpoints hold the last finite"
+                    " weights"
+                )
             if main and checkpoint_period and state["iteration"] % checkpoint_period == 0:
                 save_periodic()
             periodic = eval_period and state["iteration"] % eval_period == 0

@@ -10,7 +10,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-__all__ = ["MILHead", "mil_loss", "init_linear"]
+__all__ = ["MILHead", "mil_loss", "binary_cross_entropy", "init_linear"]
 
 # Image scores are clamped before the binary cross-entropy so that log() stays finite.
 SCORE_EPS = 1e-10
@@ -52,10 +52,20 @@ def mil_loss(roi_scores: Tensor, rois_per_image: list[int], image_labels: Tensor
     (background never present at image level). Averaged over the C+1 entries and over images.
     """
     image_scores = torch.stack([s.sum(dim=0) for s in roi_scores.split(rois_per_image)])
-    # BCE is unsafe under autocast (CUDA refuses it): compute it in at least float32, autocast off.
+    # In at least float32 (BCE of reduced-precision scores loses the small ones).
     image_scores = image_scores.to(torch.promote_types(image_scores.dtype, torch.float32))
     image_scores = image_scores.clamp(SCORE_EPS, 1 - SCORE_EPS)
     background = image_labels.new_zeros(image_labels.shape[0], 1)
     targets = torch.cat([background, image_labels], dim=1).to(image_scores.dtype)
-    with torch.autocast(image_scores.device.type, enabled=False):
-        return F.binary_cross_entropy(image_scores, targets)
+    return binary_cross_entropy(image_scores, targets)
+
+
+def binary_cross_entropy(probabilities: Tensor, targets: Tensor) -> Tensor:
+    """``F.binary_cross_entropy`` (mean reduction, logs clamped at -100) written out, with one difference:
+    a NaN probability gives a NaN loss instead of an error. A diverging run produces NaN scores; the
+    training loop must see a non-finite loss to skip the step and count it, not an exception from inside
+    the loss ("all elements of input should be between 0 and 1"). Equal to torch's to the last bit for
+    valid inputs (tested). Autocast never applies: log and log1p are float32-or-wider ops here."""
+    log_p = torch.log(probabilities).clamp_min(-100)
+    log_not_p = torch.log1p(-probabilities).clamp_min(-100)
+    return -(targets * log_p + (1 - targets) * log_not_p).mean()

@@ -1,0 +1,87 @@
+"""What every tool does around its work: log to the console and the run's log.txt, and turn a failure
+into one clear line (the traceback goes to log.txt) and a non-zero exit code.
+
+``HYDRA_FULL_ERROR=1``, the switch Hydra documents for its own errors, prints wsod's tracebacks on the
+console too.
+"""
+
+from __future__ import annotations
+
+import copy
+import logging
+import os
+import sys
+import traceback
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+__all__ = ["setup_logging", "run_tool", "full_tracebacks", "write_failure"]
+
+logger = logging.getLogger("wsod")
+
+
+def full_tracebacks() -> bool:
+    return os.environ.get("HYDRA_FULL_ERROR") == "1"
+
+
+class _ConsoleFormatter(logging.Formatter):
+    """The file keeps tracebacks; the console shows the message alone unless full tracebacks are on."""
+
+    def format(self, record: logging.LogRecord) -> str:
+        if record.exc_info and not full_tracebacks():
+            record = copy.copy(record)
+            record.exc_info, record.exc_text = None, None
+        return super().format(record)
+
+
+def setup_logging(run_dir: Path, main: bool) -> None:
+    """INFO to the console and to ``run_dir/log.txt`` on the main process; warnings only elsewhere."""
+    root = logging.getLogger()
+    root.setLevel(logging.INFO if main else logging.WARNING)
+    layout = ("%(asctime)s %(levelname)s %(name)s: %(message)s", "%H:%M:%S")
+    console = logging.StreamHandler(sys.stdout)
+    console.setFormatter(_ConsoleFormatter(*layout))
+    handlers: list[logging.Handler] = [console]
+    if main:
+        handlers.append(logging.FileHandler(run_dir / "log.txt"))
+        handlers[-1].setFormatter(logging.Formatter(*layout))
+    for handler in root.handlers[:]:
+        if getattr(handler, "_wsod", False):
+            root.removeHandler(handler)
+            handler.close()
+    for handler in handlers:
+        handler._wsod = True  # ours to replace when called again (tests run several trainings)
+        root.addHandler(handler)
+
+
+def _logging_to_a_file() -> bool:
+    return any(
+        getattr(h, "_wsod", False) and isinstance(h, logging.FileHandler)
+        for h in logging.getLogger().handlers
+    )
+
+
+def write_failure(directory: Path, error: BaseException) -> None:
+    """Leave ``error.txt`` (message and traceback) in a run or evaluation directory that failed, so that
+    it says so instead of looking like an empty or unfinished one."""
+    text = f"{type(error).__name__}: {error}\n\n" + "".join(traceback.format_exception(error))
+    (directory / "error.txt").write_text(text)
+
+
+def run_tool(entry: Callable[[Any], Any], cfg: Any) -> None:
+    """Run ``entry(cfg)`` as a command-line tool: on an exception, log it (with its traceback in log.txt
+    when the run directory exists), print one line on the console, and exit with status 1."""
+    try:
+        entry(cfg)
+    except Exception as error:
+        message = f"{type(error).__name__}: {error}"
+        if _logging_to_a_file():
+            logger.error(
+                "%s\n(traceback in log.txt; HYDRA_FULL_ERROR=1 prints it here)", message, exc_info=error
+            )
+        else:
+            print(f"error: {message}", file=sys.stderr)
+            if full_tracebacks():
+                traceback.print_exception(error)
+        sys.exit(1)

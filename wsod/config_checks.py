@@ -1,0 +1,263 @@
+"""Check a composed config before anything runs, and decide what a resumed run may change.
+
+Hydra parses command-line values by their look: ``solver.lr=abc`` is a string, ``solver.max_iter=2.5`` a
+float, ``solver.milestones=5`` an int. Without a check, such values fail deep inside the code (or worse,
+run: ``max_iter=2.5`` would train 3 steps). ``check_config`` names every wrong key at once, with the
+value and what is expected, before a directory is made or a file is read. Keys a config does not have
+are not checked (a VGG16 model has no ``width``); keys no rule knows are left to Hydra's struct mode.
+
+``resume_changes`` compares the settings a checkpoint was trained with to the new ones: each change is
+either applied for real by the training code (and listed) or refused with the reason.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from omegaconf import DictConfig, OmegaConf
+
+from wsod.build import LABELERS
+from wsod.engine.evaluate import METRICS
+from wsod.modeling.detector import BACKBONES
+
+__all__ = ["ConfigError", "check_config", "resume_changes", "flatten"]
+
+
+class ConfigError(ValueError):
+    """A configuration value that cannot work; the message names every such key."""
+
+
+@dataclass(frozen=True)
+class _Rule:
+    accepts: Callable[[Any], bool]
+    expected: str
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _is_number(value: Any) -> bool:
+    return (_is_int(value) or isinstance(value, float)) and math.isfinite(value)
+
+
+def _bounds(low: float | None, high: float | None, above: bool = False) -> str:
+    parts = ([f"{'>' if above else '>='} {low}"] if low is not None else []) + (
+        [f"<= {high}"] if high is not None else []
+    )
+    return "".join(" " + " and ".join(parts)) if parts else ""
+
+
+def _in_range(value: float, low: float | None, high: float | None, above: bool = False) -> bool:
+    return (low is None or (value > low if above else value >= low)) and (high is None or value <= high)
+
+
+def _integer(low: int | None = None, high: int | None = None, optional: bool = False) -> _Rule:
+    return _Rule(
+        lambda v: (optional and v is None) or (_is_int(v) and _in_range(v, low, high)),
+        f"{'null or ' if optional else ''}an integer{_bounds(low, high)}",
+    )
+
+
+def _number(low: float | None = None, high: float | None = None, *, above: bool = False) -> _Rule:
+    return _Rule(
+        lambda v: _is_number(v) and _in_range(v, low, high, above), f"a number{_bounds(low, high, above)}"
+    )
+
+
+def _choice(*options: Any) -> _Rule:
+    return _Rule(
+        lambda v: v in options, "one of " + ", ".join("null" if o is None else str(o) for o in options)
+    )
+
+
+_FLAG = _Rule(lambda v: isinstance(v, bool), "true or false")
+_SCALES = _Rule(
+    lambda v: isinstance(v, list | tuple) and len(v) > 0 and all(_is_int(s) and s > 0 for s in v),
+    "a non-empty list of positive integers, e.g. [480,576]",
+)
+_MILESTONES = _Rule(
+    lambda v: (
+        isinstance(v, list | tuple)
+        and all(_is_int(s) and s > 0 for s in v)
+        and all(a < b for a, b in zip(v, v[1:], strict=False))
+    ),
+    "a list of increasing positive integers, e.g. [20000,26700] (or [] for none)",
+)
+
+
+def _device(value: Any) -> bool:
+    if value == "auto":
+        return True
+    try:
+        torch.device(value)
+    except (RuntimeError, TypeError):
+        return False
+    return True
+
+
+_COMMON = {
+    "device": _Rule(_device, "auto, cpu, cuda or cuda:N"),
+    "threads": _integer(0, optional=True),
+    "progress": _FLAG,
+    "random_baseline": _FLAG,
+    "data.kind": _choice("toy", "voc", "coco"),
+    "data.num_train": _integer(1),
+    "data.num_test": _integer(1),
+    "data.test.scales": _SCALES,
+    "data.test.max_size": _integer(1, optional=True),
+    "data.test.flip": _FLAG,
+    "data.test.max_proposals": _integer(1, optional=True),
+    "data.test.batch_size": _integer(1),
+    "data.test.num_workers": _integer(0),
+    "data.test.metric": _choice(*METRICS),
+    "data.test.amp": _choice(None, "bf16", "fp16"),
+}
+
+TRAIN_RULES: dict[str, _Rule] = {
+    **_COMMON,
+    "seed": _integer(0),
+    "resume": _FLAG,
+    "log_period": _integer(1),
+    "checkpoint_period": _integer(0),
+    "keep_checkpoints": _integer(1),
+    "eval_period": _integer(0),
+    "max_nonfinite": _integer(1),
+    "data.train.scales": _SCALES,
+    "data.train.max_size": _integer(1, optional=True),
+    "data.train.flip": _FLAG,
+    "data.train.max_proposals": _integer(1, optional=True),
+    "data.train.num_workers": _integer(0),
+    "model.backbone": _choice(*BACKBONES),
+    "model.width": _number(0, above=True),
+    "model.norm": _choice("frozen_bn", "bn", "gn"),
+    "model.neck_norm": _choice(None, "frozen_bn", "bn", "gn"),
+    "model.freeze_at": _integer(0, 5),
+    "model.pooler": _choice("align", "pool"),
+    "model.roi_size": _integer(1),
+    "model.chunk_size": _integer(1, optional=True),
+    "model.test_chunk_size": _integer(1, optional=True),
+    "model.fuse_pooling": _FLAG,
+    "model.num_students": _integer(1),
+    "model.first_student_loss_weight": _number(0),
+    "model.nms_iou": _number(0, 1),
+    "model.detections_per_image": _integer(1),
+    "method.name": _choice(*LABELERS),
+    "method.p": _number(0, 1),
+    "method.tau": _number(0, 1),
+    "method.suppress": _choice("candidates", "kept"),
+    "method.fg_iou": _number(0, 1),
+    "solver.optimizer": _choice("sgd", "adamw"),
+    "solver.lr": _number(0, above=True),
+    "solver.momentum": _number(0, 1),
+    "solver.weight_decay": _number(0),
+    "solver.bias_lr_factor": _number(0),
+    "solver.bias_weight_decay": _number(0),
+    "solver.ims_per_batch": _integer(1),
+    "solver.accumulation": _integer(1),
+    "solver.max_iter": _integer(1),
+    "solver.milestones": _MILESTONES,
+    "solver.gamma": _number(0, above=True),
+    "solver.warmup_iters": _integer(0),
+    "solver.warmup_factor": _number(0, 1, above=True),
+    "solver.amp": _choice(None, "bf16", "fp16"),
+}
+
+EVAL_RULES: dict[str, _Rule] = {**_COMMON}
+
+
+def flatten(node: Mapping[str, Any] | DictConfig, prefix: str = "") -> dict[str, Any]:
+    """Nested config -> ``{"solver.lr": 0.01, ...}``; lists stay values."""
+    if isinstance(node, DictConfig):
+        node = OmegaConf.to_container(node, resolve=True)
+    flat: dict[str, Any] = {}
+    for key, value in node.items():
+        name = f"{prefix}{key}"
+        if isinstance(value, Mapping):
+            flat.update(flatten(value, f"{name}."))
+        else:
+            flat[name] = value
+    return flat
+
+
+def _show(value: Any) -> str:
+    return "null" if value is None else repr(value) if isinstance(value, str) else str(value)
+
+
+def check_config(cfg: DictConfig | Mapping[str, Any], rules: Mapping[str, _Rule] = TRAIN_RULES) -> None:
+    """Raise ``ConfigError`` naming every key of ``cfg`` whose value ``rules`` refuse (and the training
+    schedule's cross-key rules); return quietly when everything fits."""
+    flat = flatten(cfg)
+    problems = [
+        f"{key}={_show(flat[key])}: expected {rule.expected}"
+        for key, rule in rules.items()
+        if key in flat and not rule.accepts(flat[key])
+    ]
+    max_iter, milestones = flat.get("solver.max_iter"), flat.get("solver.milestones")
+    if (
+        rules is TRAIN_RULES
+        and TRAIN_RULES["solver.max_iter"].accepts(max_iter)
+        and _MILESTONES.accepts(milestones)
+        and any(m > max_iter for m in milestones)
+    ):
+        problems.append(
+            f"solver.milestones={_show(milestones)}: beyond solver.max_iter={max_iter}; a learning-rate step"
+            " after the last iteration never happens (shorten them too, e.g."
+            f" solver.milestones=[{max(1, max_iter * 4 // 5)}])"
+        )
+    if problems:
+        raise ConfigError("invalid configuration:\n  " + "\n  ".join(problems))
+
+
+# What a resumed run may not change: the saved weights, optimizer state and position in the data belong
+# to these settings. Everything else is applied for real (the learning-rate schedule and optimizer
+# hyperparameters are rebuilt at the restored iteration; periods, evaluation and logging are read anew).
+_FIXED_ON_RESUME = {
+    "seed": "the data order and every augmentation are drawn from the seed",
+    "solver.optimizer": "the saved optimizer state belongs to the saved optimizer",
+    "solver.ims_per_batch": "the position in the data is counted in batches",
+    "solver.accumulation": "the position in the data is counted in batches",
+    "data.kind": "the training data must be the checkpoint's",
+    "data.root": "the training data must be the checkpoint's",
+    "data.devkit": "the training data must be the checkpoint's",
+    "data.num_train": "the training data must be the checkpoint's",
+    "data.num_test": "the toy set must be the checkpoint's",
+    "data.train": "the training images, their order and their augmentation must be the checkpoint's",
+    "model": "the saved weights belong to the saved architecture",
+}
+# Inside those prefixes, these may change: they do not touch weights or data order.
+_FREE_ON_RESUME = ("data.train.num_workers", "model.chunk_size", "model.test_chunk_size", "model.weights")
+
+
+def resume_changes(saved: Mapping[str, Any] | DictConfig, new: Mapping[str, Any] | DictConfig) -> list[str]:
+    """The settings that differ between a checkpoint's config and the new one, as printable lines.
+
+    Raises ``ConfigError`` naming every change a resumed run cannot honour, with the reason. Run
+    bookkeeping (``resume``, ``output_dir``) is ignored.
+    """
+    old_flat, new_flat = flatten(saved), flatten(new)
+    changes, refused = [], []
+    for key in sorted(set(old_flat) | set(new_flat)):
+        if key in ("resume", "output_dir"):
+            continue
+        before, after = old_flat.get(key, "<absent>"), new_flat.get(key, "<absent>")
+        if before == after:
+            continue
+        line = f"{key}: {_show(before)} -> {_show(after)}"
+        fixed = (why for prefix, why in _FIXED_ON_RESUME.items() if f"{key}.".startswith(f"{prefix}."))
+        reason = next(fixed, None)
+        if reason is not None and key not in _FREE_ON_RESUME:
+            refused.append(f"{line} ({reason})")
+        else:
+            changes.append(line)
+    if refused:
+        raise ConfigError(
+            "cannot resume with these settings changed since the checkpoint:\n  "
+            + "\n  ".join(refused)
+            + "\nrestore them, or start a new run in another output_dir"
+        )
+    return changes
