@@ -11,6 +11,7 @@ from hydra.errors import ConfigCompositionException
 from omegaconf import OmegaConf
 
 from wsod.build import LABELERS, build_labeler, build_model
+from wsod.engine.inference import tta_views
 
 CONFIGS = Path(__file__).resolve().parents[1] / "configs"
 
@@ -85,6 +86,16 @@ def test_coco_experiments_carry_the_reference_recipe(name):
     assert (list(cfg.solver.milestones), cfg.solver.max_iter) == ([90000, 120000], 130000)
     assert cfg.solver.accumulation == (8 if name.endswith("_1gpu") else 1)
     assert cfg.data.kind == "coco"
+
+
+@pytest.mark.parametrize("data", [n for n in _names("data") if n != "toy"])
+def test_voc_and_coco_evaluate_with_the_reference_14_views(data):
+    # Reference engine/bbox_aug.py: the 800-px test view, its flip, then each BBOX_AUG scale and its flip.
+    test = _compose("train", [f"data={data}"]).data.test
+    expected = [(s, f) for s in (800, 480, 576, 688, 864, 1000, 1200) for f in (False, True)]
+    assert tta_views(list(test.scales), test.flip) == expected and test.max_size == 2000
+    toy = _compose("train", []).data.test
+    assert tta_views(list(toy.scales), toy.flip) == [(160, False)]
 
 
 def test_a_mistyped_override_is_an_error():
