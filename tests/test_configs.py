@@ -65,27 +65,31 @@ def test_defaults_are_the_cpu_toy_run_with_sequential_backprop():
     assert cfg.model.chunk_size is not None and cfg.model.neck_norm in ("gn", "frozen_bn")
 
 
-@pytest.mark.parametrize("name", [n for n in _names("experiment") if "voc" in n])
-def test_voc_experiments_carry_the_reference_recipe(name):
+# (lr, images per step, milestones, max_iter, warm-up) of the reference configs (docs/RECIPES.md).
+REFERENCE_SCHEDULES = {
+    "voc07": (0.01, 8, [20000, 26700], 30000, 200),
+    "voc0712": (0.02, 16, [30000, 35000], 40000, 200),
+    "voc12": (0.02, 16, [20000, 26700], 30000, 200),
+    "coco14": (0.01, 8, [90000, 120000], 130000, 500),
+}
+
+
+@pytest.mark.parametrize("name", [n for n in _names("experiment") if n.startswith("mist_")])
+def test_experiments_carry_the_reference_recipe(name):
     cfg = _compose("train", [f"experiment={name}"])
     s = cfg.solver
-    assert (s.optimizer, s.lr, s.momentum, s.weight_decay) == ("sgd", 0.01, 0.9, 1e-4)
+    lr, images, milestones, max_iter, warmup = REFERENCE_SCHEDULES[name.split("_")[2]]
+    assert (s.optimizer, s.lr, s.momentum, s.weight_decay, s.momentum_rescale) == ("sgd", lr, 0.9, 1e-4, True)
     assert (s.bias_lr_factor, s.bias_weight_decay) == (2.0, 0.0)
-    assert (s.warmup_iters, s.warmup_factor) == (200, pytest.approx(1 / 3))
-    assert (list(s.milestones), s.max_iter, s.gamma) == ([20000, 26700], 30000, 0.1)
-    assert s.ims_per_batch == 1 and s.accumulation == (8 if name.endswith("_1gpu") else 1)
+    assert (s.warmup_iters, s.warmup_factor) == (warmup, pytest.approx(1 / 3))
+    assert (list(s.milestones), s.max_iter, s.gamma) == (milestones, max_iter, 0.1)
+    processes = 1 if name.endswith("_1gpu") else 8
+    assert processes * s.ims_per_batch * s.accumulation == images
+    assert s.ims_per_batch == 1 or not name.endswith("_1gpu")
     assert cfg.seed == 1234
     assert list(cfg.data.train.scales) == [480, 576, 688, 864, 1000, 1200] and cfg.data.train.max_size == 2000
-    assert cfg.data.train.flip and cfg.data.kind == "voc"
+    assert cfg.data.train.flip and cfg.data.kind in ("voc", "coco")
     assert cfg.model.weights == "IMAGENET1K_V1" and cfg.model.norm == "frozen_bn"
-
-
-@pytest.mark.parametrize("name", [n for n in _names("experiment") if "coco" in n])
-def test_coco_experiments_carry_the_reference_recipe(name):
-    cfg = _compose("train", [f"experiment={name}"])
-    assert (list(cfg.solver.milestones), cfg.solver.max_iter) == ([90000, 120000], 130000)
-    assert cfg.solver.accumulation == (8 if name.endswith("_1gpu") else 1)
-    assert cfg.data.kind == "coco"
 
 
 @pytest.mark.parametrize("data", [n for n in _names("data") if n != "toy"])

@@ -189,10 +189,13 @@ def build_optimizer(solver_cfg: DictConfig, model: torch.nn.Module) -> torch.opt
 def build_scheduler(
     solver_cfg: DictConfig, optimizer: torch.optim.Optimizer
 ) -> torch.optim.lr_scheduler.LambdaLR:
+    """The warm-up + multi-step schedule; with ``solver.momentum_rescale`` its ``step()`` also rescales
+    SGD momentum buffers at large learning-rate changes (``wsod.engine.solver.rescale_momentum``)."""
     return _build_scheduler(
         optimizer,
         milestones=list(solver_cfg.milestones),
         gamma=solver_cfg.gamma,
         warmup_iters=solver_cfg.warmup_iters,
         warmup_factor=solver_cfg.warmup_factor,
+        momentum_rescale=solver_cfg.momentum_rescale,
     )
