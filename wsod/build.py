@@ -134,7 +134,12 @@ def _open(
 def build_train_dataset(data_cfg: DictConfig) -> Dataset:
     """The training images of ``data.train`` (several sets are concatenated) with random transforms."""
     train = data_cfg.train
-    transform = train_transform(list(train.scales), train.max_size, flip_prob=0.5 if train.flip else 0.0)
+    transform = train_transform(
+        list(train.scales),
+        train.max_size,
+        flip_prob=0.5 if train.flip else 0.0,
+        lighting_std=train.lighting_std,
+    )
     # docs/METHOD.md §9: COCO images without any label are dropped from training.
     sets = [
         _open(
