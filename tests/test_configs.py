@@ -1,11 +1,14 @@
-"""Every config file composes and builds; experiment recipes carry the reference numbers (docs/METHOD.md
-§8); struct mode is on."""
+"""Every config file composes and builds; experiment recipes carry the reference numbers and match
+docs/RECIPES.md; struct mode is on."""
 
 from __future__ import annotations
 
+import re
+from fractions import Fraction
 from pathlib import Path
 
 import pytest
+import yaml
 from hydra import compose, initialize_config_dir
 from hydra.errors import ConfigCompositionException
 from omegaconf import OmegaConf
@@ -14,6 +17,7 @@ from wsod.build import LABELERS, build_labeler, build_model
 from wsod.engine.inference import tta_views
 
 CONFIGS = Path(__file__).resolve().parents[1] / "configs"
+RECIPES = Path(__file__).resolve().parents[1] / "docs" / "RECIPES.md"
 
 
 def _compose(name: str, overrides: list[str]):
@@ -107,3 +111,61 @@ def test_a_mistyped_override_is_an_error():
         _compose("train", ["solver.learning_rate=0.1"])
     with pytest.raises(ConfigCompositionException):
         _compose("train", ["model=r50"])
+
+
+def _recipe_tables() -> dict[str, dict[str, str]]:
+    """docs/RECIPES.md: ``### <experiment>`` headings, each followed by ``| key | value | source |`` rows."""
+    tables: dict[str, dict[str, str]] = {}
+    current = None
+    for line in RECIPES.read_text().splitlines():
+        if heading := re.fullmatch(r"### (\S+)", line):
+            current = tables.setdefault(heading.group(1), {})
+        elif current is not None and (row := re.fullmatch(r"\| ([a-z_.]+) \| (.+?) \| (.+) \|", line)):
+            key, value, source = row.groups()
+            if key != "key":  # the header row
+                assert key not in current, f"{key} listed twice"
+                assert source.strip(), f"{key} has no source"
+                current[key] = value
+    return tables
+
+
+def _recipe_value(text: str):
+    if re.fullmatch(r"\d+/\d+", text):
+        return float(Fraction(text))
+    return yaml.safe_load(text)
+
+
+def _recipe_keys(cfg) -> set[str]:
+    """Every key a recipe table must list: the whole model, method and solver, the training and test
+    settings of the data (not file locations, worker counts or the evaluation batch size), the seed."""
+
+    def leaves(node, prefix, skip=()):
+        return {f"{prefix}.{key}" for key in node if key not in skip}
+
+    return {
+        "seed",
+        "data.kind",
+        *leaves(cfg.data.train, "data.train", skip=("sets", "num_workers")),
+        *leaves(cfg.data.test, "data.test", skip=("set", "num_workers", "batch_size")),
+        *leaves(cfg.model, "model"),
+        *leaves(cfg.method, "method"),
+        *leaves(cfg.solver, "solver"),
+    }
+
+
+def test_every_experiment_has_one_recipe_table():
+    assert sorted(_recipe_tables()) == _names("experiment")
+
+
+@pytest.mark.parametrize("name", _names("experiment"))
+def test_composed_experiment_matches_its_recipe_table(name):
+    cfg = _compose("train", [f"experiment={name}"])
+    table = _recipe_tables()[name]
+    assert set(table) == _recipe_keys(cfg), "the table must list exactly the recipe keys"
+    for key, text in table.items():
+        expected, actual = _recipe_value(text), OmegaConf.select(cfg, key)
+        actual = OmegaConf.to_container(actual) if OmegaConf.is_config(actual) else actual
+        if isinstance(expected, float) and not isinstance(expected, bool):
+            assert actual == pytest.approx(expected, rel=1e-12), key
+        else:
+            assert actual == expected and type(actual) is type(expected), key
