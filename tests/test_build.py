@@ -1,11 +1,21 @@
-"""wsod/build.py: labellers from method configs, and checkpoints back into detectors (load_detector)."""
+"""wsod/build.py: labellers from method configs, checkpoints back into detectors (load_detector), the
+training transform and the scheduler from their configs."""
 
 from __future__ import annotations
 
 import pytest
 import torch
+from omegaconf import OmegaConf
+from tiny_run import TINY_TOY
 
-from wsod.build import build_labeler, build_model, load_detector
+from wsod.build import (
+    build_labeler,
+    build_model,
+    build_optimizer,
+    build_scheduler,
+    build_train_dataset,
+    load_detector,
+)
 from wsod.engine.checkpoint import save_checkpoint
 from wsod.modeling.refinement import MISTLabeler, OICRLabeler
 
@@ -51,3 +61,31 @@ def test_unknown_method_names_the_choices():
     with pytest.raises(ValueError, match=r"unknown method 'pcl': expected one of \['mist', 'oicr'\]"):
         build_labeler({"name": "pcl"})
     assert build_labeler(None) == MISTLabeler()
+
+
+@pytest.mark.parametrize("lighting_std", [0.0, 0.1])
+def test_train_dataset_gets_the_configured_lighting_noise(tiny_toy_root, lighting_std):
+    train = {"sets": [{"image_set": "trainval"}], "scales": [64], "max_size": 200, "flip": True}
+    train.update(max_proposals=None, lighting_std=lighting_std)
+    data_cfg = OmegaConf.create({"kind": "toy", "root": str(tiny_toy_root), **TINY_TOY, "train": train})
+    transform = build_train_dataset(data_cfg).transform
+    assert transform.lighting_std == lighting_std and transform.flip_prob == 0.5
+
+
+@pytest.mark.parametrize("rescale", [True, False])
+def test_scheduler_gets_the_configured_momentum_rescale(rescale):
+    solver = OmegaConf.create(
+        {
+            "optimizer": "sgd", "lr": 0.01, "momentum": 0.9, "weight_decay": 0.0, "bias_lr_factor": 2.0,
+            "bias_weight_decay": 0.0, "milestones": [1], "gamma": 0.1, "warmup_iters": 0,
+            "warmup_factor": 1 / 3, "momentum_rescale": rescale,
+        }
+    )  # fmt: skip
+    model = torch.nn.Linear(2, 1)
+    optimizer = build_optimizer(solver, model)
+    scheduler = build_scheduler(solver, optimizer)
+    model(torch.ones(1, 2)).sum().backward()
+    optimizer.step()
+    scheduler.step()  # lr x0.1
+    buffer = optimizer.state[model.weight]["momentum_buffer"]
+    assert buffer.flatten().tolist() == pytest.approx([0.1, 0.1] if rescale else [1.0, 1.0])

@@ -1,18 +1,23 @@
-"""Every config file composes and builds; experiment recipes carry the reference numbers (docs/METHOD.md
-§8); struct mode is on."""
+"""Every config file composes and builds; experiment recipes carry the reference numbers and match
+docs/RECIPES.md; struct mode is on."""
 
 from __future__ import annotations
 
+import re
+from fractions import Fraction
 from pathlib import Path
 
 import pytest
+import yaml
 from hydra import compose, initialize_config_dir
 from hydra.errors import ConfigCompositionException
 from omegaconf import OmegaConf
 
 from wsod.build import LABELERS, build_labeler, build_model
+from wsod.engine.inference import tta_views
 
 CONFIGS = Path(__file__).resolve().parents[1] / "configs"
+RECIPES = Path(__file__).resolve().parents[1] / "docs" / "RECIPES.md"
 
 
 def _compose(name: str, overrides: list[str]):
@@ -64,27 +69,41 @@ def test_defaults_are_the_cpu_toy_run_with_sequential_backprop():
     assert cfg.model.chunk_size is not None and cfg.model.neck_norm in ("gn", "frozen_bn")
 
 
-@pytest.mark.parametrize("name", [n for n in _names("experiment") if "voc" in n])
-def test_voc_experiments_carry_the_reference_recipe(name):
+# (lr, images per step, milestones, max_iter, warm-up) of the reference configs (docs/RECIPES.md).
+REFERENCE_SCHEDULES = {
+    "voc07": (0.01, 8, [20000, 26700], 30000, 200),
+    "voc0712": (0.02, 16, [30000, 35000], 40000, 200),
+    "voc12": (0.02, 16, [20000, 26700], 30000, 200),
+    "coco14": (0.01, 8, [90000, 120000], 130000, 500),
+}
+
+
+@pytest.mark.parametrize("name", [n for n in _names("experiment") if n.startswith("mist_")])
+def test_experiments_carry_the_reference_recipe(name):
     cfg = _compose("train", [f"experiment={name}"])
     s = cfg.solver
-    assert (s.optimizer, s.lr, s.momentum, s.weight_decay) == ("sgd", 0.01, 0.9, 1e-4)
+    lr, images, milestones, max_iter, warmup = REFERENCE_SCHEDULES[name.split("_")[2]]
+    assert (s.optimizer, s.lr, s.momentum, s.weight_decay, s.momentum_rescale) == ("sgd", lr, 0.9, 1e-4, True)
     assert (s.bias_lr_factor, s.bias_weight_decay) == (2.0, 0.0)
-    assert (s.warmup_iters, s.warmup_factor) == (200, pytest.approx(1 / 3))
-    assert (list(s.milestones), s.max_iter, s.gamma) == ([20000, 26700], 30000, 0.1)
-    assert s.ims_per_batch == 1 and s.accumulation == (8 if name.endswith("_1gpu") else 1)
+    assert (s.warmup_iters, s.warmup_factor) == (warmup, pytest.approx(1 / 3))
+    assert (list(s.milestones), s.max_iter, s.gamma) == (milestones, max_iter, 0.1)
+    processes = 1 if name.endswith("_1gpu") else 8
+    assert processes * s.ims_per_batch * s.accumulation == images
+    assert s.ims_per_batch == 1 or not name.endswith("_1gpu")
     assert cfg.seed == 1234
     assert list(cfg.data.train.scales) == [480, 576, 688, 864, 1000, 1200] and cfg.data.train.max_size == 2000
-    assert cfg.data.train.flip and cfg.data.kind == "voc"
+    assert cfg.data.train.flip and cfg.data.kind in ("voc", "coco")
     assert cfg.model.weights == "IMAGENET1K_V1" and cfg.model.norm == "frozen_bn"
 
 
-@pytest.mark.parametrize("name", [n for n in _names("experiment") if "coco" in n])
-def test_coco_experiments_carry_the_reference_recipe(name):
-    cfg = _compose("train", [f"experiment={name}"])
-    assert (list(cfg.solver.milestones), cfg.solver.max_iter) == ([90000, 120000], 130000)
-    assert cfg.solver.accumulation == (8 if name.endswith("_1gpu") else 1)
-    assert cfg.data.kind == "coco"
+@pytest.mark.parametrize("data", [n for n in _names("data") if n != "toy"])
+def test_voc_and_coco_evaluate_with_the_reference_14_views(data):
+    # Reference engine/bbox_aug.py: the 800-px test view, its flip, then each BBOX_AUG scale and its flip.
+    test = _compose("train", [f"data={data}"]).data.test
+    expected = [(s, f) for s in (800, 480, 576, 688, 864, 1000, 1200) for f in (False, True)]
+    assert tta_views(list(test.scales), test.flip) == expected and test.max_size == 2000
+    toy = _compose("train", []).data.test
+    assert tta_views(list(toy.scales), toy.flip) == [(160, False)]
 
 
 def test_a_mistyped_override_is_an_error():
@@ -92,3 +111,61 @@ def test_a_mistyped_override_is_an_error():
         _compose("train", ["solver.learning_rate=0.1"])
     with pytest.raises(ConfigCompositionException):
         _compose("train", ["model=r50"])
+
+
+def _recipe_tables() -> dict[str, dict[str, str]]:
+    """docs/RECIPES.md: ``### <experiment>`` headings, each followed by ``| key | value | source |`` rows."""
+    tables: dict[str, dict[str, str]] = {}
+    current = None
+    for line in RECIPES.read_text().splitlines():
+        if heading := re.fullmatch(r"### (\S+)", line):
+            current = tables.setdefault(heading.group(1), {})
+        elif current is not None and (row := re.fullmatch(r"\| ([a-z_.]+) \| (.+?) \| (.+) \|", line)):
+            key, value, source = row.groups()
+            if key != "key":  # the header row
+                assert key not in current, f"{key} listed twice"
+                assert source.strip(), f"{key} has no source"
+                current[key] = value
+    return tables
+
+
+def _recipe_value(text: str):
+    if re.fullmatch(r"\d+/\d+", text):
+        return float(Fraction(text))
+    return yaml.safe_load(text)
+
+
+def _recipe_keys(cfg) -> set[str]:
+    """Every key a recipe table must list: the whole model, method and solver, the training and test
+    settings of the data (not file locations, worker counts or the evaluation batch size), the seed."""
+
+    def leaves(node, prefix, skip=()):
+        return {f"{prefix}.{key}" for key in node if key not in skip}
+
+    return {
+        "seed",
+        "data.kind",
+        *leaves(cfg.data.train, "data.train", skip=("sets", "num_workers")),
+        *leaves(cfg.data.test, "data.test", skip=("set", "num_workers", "batch_size")),
+        *leaves(cfg.model, "model"),
+        *leaves(cfg.method, "method"),
+        *leaves(cfg.solver, "solver"),
+    }
+
+
+def test_every_experiment_has_one_recipe_table():
+    assert sorted(_recipe_tables()) == _names("experiment")
+
+
+@pytest.mark.parametrize("name", _names("experiment"))
+def test_composed_experiment_matches_its_recipe_table(name):
+    cfg = _compose("train", [f"experiment={name}"])
+    table = _recipe_tables()[name]
+    assert set(table) == _recipe_keys(cfg), "the table must list exactly the recipe keys"
+    for key, text in table.items():
+        expected, actual = _recipe_value(text), OmegaConf.select(cfg, key)
+        actual = OmegaConf.to_container(actual) if OmegaConf.is_config(actual) else actual
+        if isinstance(expected, float) and not isinstance(expected, bool):
+            assert actual == pytest.approx(expected, rel=1e-12), key
+        else:
+            assert actual == expected and type(actual) is type(expected), key

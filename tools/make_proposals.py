@@ -35,7 +35,12 @@ def _add_generation_options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--shard-size", type=int, default=25, help="images per resumable shard")
     parser.add_argument("--mode", choices=MODES, default="fast", help="Selective Search strategy set")
     parser.add_argument("--top-k", type=int, default=None, help="keep at most this many boxes per image")
-    parser.add_argument("--min-size", type=float, default=2.0, help="drop boxes narrower or shorter (px)")
+    parser.add_argument(
+        "--min-size",
+        type=float,
+        default=2.0,
+        help="drop boxes narrower or shorter (inclusive px, x2 - x1 + 1)",
+    )
     parser.add_argument(
         "--recall-plot", type=Path, help="PNG of recall vs proposals (default: next to output)"
     )

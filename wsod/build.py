@@ -137,7 +137,12 @@ def _open(
 def build_train_dataset(data_cfg: DictConfig) -> Dataset:
     """The training images of ``data.train`` (several sets are concatenated) with random transforms."""
     train = data_cfg.train
-    transform = train_transform(list(train.scales), train.max_size, flip_prob=0.5 if train.flip else 0.0)
+    transform = train_transform(
+        list(train.scales),
+        train.max_size,
+        flip_prob=0.5 if train.flip else 0.0,
+        lighting_std=train.lighting_std,
+    )
     # docs/METHOD.md §9: COCO images without any label are dropped from training.
     sets = [
         _open(
@@ -192,10 +197,13 @@ def build_optimizer(solver_cfg: DictConfig, model: torch.nn.Module) -> torch.opt
 def build_scheduler(
     solver_cfg: DictConfig, optimizer: torch.optim.Optimizer
 ) -> torch.optim.lr_scheduler.LambdaLR:
+    """The warm-up + multi-step schedule; with ``solver.momentum_rescale`` its ``step()`` also rescales
+    SGD momentum buffers at large learning-rate changes (``wsod.engine.solver.rescale_momentum``)."""
     return _build_scheduler(
         optimizer,
         milestones=list(solver_cfg.milestones),
         gamma=solver_cfg.gamma,
         warmup_iters=solver_cfg.warmup_iters,
         warmup_factor=solver_cfg.warmup_factor,
+        momentum_rescale=solver_cfg.momentum_rescale,
     )

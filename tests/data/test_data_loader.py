@@ -111,14 +111,22 @@ def test_epochs_are_reshuffled_reproducible_and_resumable(tiny_toy):
 
 
 def test_augmentation_is_seeded_per_image_not_per_worker_or_resume(tiny_toy):
-    dataset = tiny_toy.dataset("trainval", transform=train_transform((48, 64, 80), 200, flip_prob=0.5))
+    # Scale, flip and lighting noise: every random draw of the training transform.
+    transform = train_transform((48, 64, 80), 200, flip_prob=0.5, lighting_std=0.1)
+    dataset = tiny_toy.dataset("trainval", transform=transform)
 
-    def stream(workers, start=0, count=5):
-        loader = build_train_loader(dataset, 2, num_workers=workers, seed=3)
+    def stream(workers, start=0, count=5, data=dataset):
+        loader = build_train_loader(data, 2, num_workers=workers, seed=3)
         return list(itertools.islice(infinite_batches(loader, start), count))
 
     reference = stream(0)
     assert len({b["images"].shape for b in reference}) > 1 and any(any(b["flipped"]) for b in reference)
+    # The lighting noise is there (the same stream without it differs in pixels only).
+    no_lighting = train_transform((48, 64, 80), 200, flip_prob=0.5, lighting_std=0.0)
+    plain = stream(0, data=tiny_toy.dataset("trainval", transform=no_lighting))
+    for ours, theirs in zip(plain, reference, strict=True):
+        assert ours["flipped"] == theirs["flipped"] and ours["images"].shape == theirs["images"].shape
+        assert not torch.equal(ours["images"], theirs["images"])
     for batches in (stream(2), [*reference[:2], *stream(2, start=2, count=3)]):
         for ours, theirs in zip(batches, reference, strict=True):
             assert ours["image_ids"] == theirs["image_ids"] and ours["flipped"] == theirs["flipped"]

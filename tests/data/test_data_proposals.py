@@ -144,8 +144,9 @@ def test_filter_clips_drops_small_dedupes_and_caps():
         [
             [10, 10, 30, 30],  # kept
             [-5, -3, 12, 8],  # clipped to [0, 0, 12, 8]
-            [5, 5, 6.9, 40],  # 1.9 px wide: dropped
-            [5, 5, 7, 40],  # exactly 2 px: kept
+            [5, 5, 5.9, 40],  # 1.9 px wide inclusive (x2 - x1 + 1): dropped
+            [5, 5, 6, 40],  # exactly 2 px inclusive (pixels 5 and 6): kept
+            [7, 5, 7, 40],  # 1 px inclusive, no continuous width: dropped
             [10, 10, 30, 30],  # duplicate of the first: dropped
             [90, 40, 120, 70],  # clipped to [90, 40, 99, 49], 9 px: kept
             [95, 45, 130, 90],  # clipped to [95, 45, 99, 49]
@@ -155,10 +156,15 @@ def test_filter_clips_drops_small_dedupes_and_caps():
         np.float32,
     )
     kept = filter_proposals(boxes, (50, 100))
-    expected = [[10, 10, 30, 30], [0, 0, 12, 8], [5, 5, 7, 40], [90, 40, 99, 49], [95, 45, 99, 49]]
+    expected = [[10, 10, 30, 30], [0, 0, 12, 8], [5, 5, 6, 40], [90, 40, 99, 49], [95, 45, 99, 49]]
     torch.testing.assert_close(kept, torch.tensor(expected, dtype=torch.float32))
     torch.testing.assert_close(filter_proposals(boxes, (50, 100), top_k=2), kept[:2])
-    assert filter_proposals(boxes, (50, 100), min_size=10).tolist() == [[10, 10, 30, 30]]
+    # Inclusive sizes: [0, 0, 12, 8] is 9 px tall, [90, 40, 99, 49] is 10 x 10.
+    assert filter_proposals(boxes, (50, 100), min_size=10).tolist() == [[10, 10, 30, 30], [90, 40, 99, 49]]
+    # A minimum of 1 or less adds the 1.9 px box, never the zero-width one.
+    for min_size in (1, 0):
+        smaller = filter_proposals(boxes, (50, 100), min_size=min_size)
+        torch.testing.assert_close(smaller, torch.cat([kept[:2], torch.from_numpy(boxes[2:3]), kept[2:]]))
     assert filter_proposals(np.zeros((0, 4)), (50, 100)).shape == (0, 4)
     # The input (possibly a read-only view into a ProposalSet) is not modified.
     assert boxes[1].tolist() == [-5, -3, 12, 8]

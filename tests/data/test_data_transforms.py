@@ -1,4 +1,5 @@
-"""Transforms: proposals follow resize and flip exactly, size limits hold, normalisation is ImageNet's."""
+"""Transforms: proposals follow resize and flip exactly, size limits hold, normalisation is ImageNet's,
+lighting noise is the reference's PCA noise."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ from wsod.data.transforms import (
     IMAGENET_MEAN,
     IMAGENET_STD,
     DetectionTransform,
+    Lighting,
     test_transform,
     train_transform,
 )
@@ -114,3 +116,66 @@ def test_invalid_settings_are_refused():
         DetectionTransform([800], flip_prob=2.0)
     with pytest.raises(ValueError, match="scales"):
         DetectionTransform([])
+
+
+# The reference code's constants (data/transforms/build.py), written out again to check the module's.
+REFERENCE_EIGVAL = [0.2175, 0.0188, 0.0045]
+REFERENCE_EIGVEC = [[-0.5675, 0.7192, 0.4009], [-0.5808, -0.0045, -0.8140], [-0.5836, -0.6948, 0.4203]]
+
+
+def naive_lighting_offset(alpha):
+    """Per channel i: sum over eigenvectors j of eigvec[i][j] * alpha[j] * eigval[j] (AlexNet PCA noise)."""
+    return [sum(REFERENCE_EIGVEC[i][j] * alpha[j] * REFERENCE_EIGVAL[j] for j in range(3)) for i in range(3)]
+
+
+def test_zero_std_lighting_is_the_identity_and_draws_nothing():
+    image = torch.rand(3, 5, 7)
+    torch.manual_seed(0)
+    assert Lighting(0.0)(image) is image
+    after = torch.rand(1)
+    torch.manual_seed(0)
+    assert torch.equal(after, torch.rand(1))  # the generator was not used
+    item = _item()
+    torch.manual_seed(3)
+    with_zero = train_transform((40, 50), 1000, flip_prob=0.5, lighting_std=0.0)(item)
+    torch.manual_seed(3)
+    before = DetectionTransform((40, 50), 1000, flip_prob=0.5)(item)  # no lighting at all
+    torch.testing.assert_close(with_zero["image"], before["image"], rtol=0, atol=0)
+
+
+def test_lighting_adds_the_reference_pca_offset_to_rgb_0_1_before_normalisation():
+    image = torch.rand(3, 4, 6, dtype=torch.float32)
+    torch.manual_seed(7)
+    noisy = Lighting(0.1)(image)
+    torch.manual_seed(7)
+    alpha = (torch.randn(3) * 0.1).tolist()  # the three draws, in eigenvector order
+    expected = torch.tensor(naive_lighting_offset(alpha)).view(3, 1, 1)
+    torch.testing.assert_close(noisy - image, expected.expand_as(image), rtol=0, atol=1e-7)
+    # In the detection transform the offset lands on 0-1 RGB, before the ImageNet normalisation.
+    colour = (255, 128, 0)
+    item = _item(colour=colour)
+    torch.manual_seed(11)
+    out = train_transform((60,), 1000, flip_prob=0.0, lighting_std=0.1)(item)
+    torch.manual_seed(11)
+    train_transform((60,), 1000, flip_prob=0.0, lighting_std=0.0)(item)  # the same scale draw
+    offset = naive_lighting_offset((torch.randn(3) * 0.1).tolist())
+    expected = [
+        (v / 255 + o - m) / sd
+        for v, o, m, sd in zip(colour, offset, IMAGENET_MEAN, IMAGENET_STD, strict=True)
+    ]
+    torch.testing.assert_close(out["image"][:, 30, 50], torch.tensor(expected), atol=1e-5, rtol=0)
+    assert train_transform().lighting_std == 0.1 and test_transform(60).lighting_std == 0.0
+
+
+def test_lighting_leaves_geometry_and_its_random_draws_alone():
+    # Lighting draws after the scale and the flip: the same seed gives the same sizes, flips, proposals.
+    for seed in range(8):
+        torch.manual_seed(seed)
+        noisy = train_transform((40, 50, 70), 1000, flip_prob=0.5, lighting_std=0.1)(_item())
+        torch.manual_seed(seed)
+        plain = train_transform((40, 50, 70), 1000, flip_prob=0.5, lighting_std=0.0)(_item())
+        assert noisy["image_size"] == plain["image_size"] and noisy["flipped"] == plain["flipped"]
+        torch.testing.assert_close(noisy["proposals"], plain["proposals"], rtol=0, atol=0)
+        assert not torch.equal(noisy["image"], plain["image"])
+    with pytest.raises(ValueError, match="lighting"):
+        Lighting(-0.1)

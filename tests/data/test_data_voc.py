@@ -153,8 +153,8 @@ def test_image_missing_from_the_proposal_file_is_an_error_naming_id_and_file(mak
 
 def test_image_left_without_proposals_gets_the_whole_image_box(make_voc, caplog):
     devkit = make_voc(IMAGES, {"trainval": ["000005", "2008_000008"]})
-    # Both boxes are 1 px wide: the minimum size (2 px) removes them.
-    proposals = _proposals(["000005", "2008_000008"], boxes=((0, 0, 1, 30), (10, 10, 11, 20)))
+    # Both boxes are under 2 px wide in inclusive pixels (1.5 and 1): the minimum size (2 px) removes them.
+    proposals = _proposals(["000005", "2008_000008"], boxes=((0, 0, 0.5, 30), (10, 10, 10, 20)))
     dataset = VOCDataset(devkit, "2007", "trainval", proposals, classes=CLASSES)
     with caplog.at_level(logging.WARNING):
         item = dataset[0]

@@ -208,3 +208,64 @@ def test_any_pseudo_labeller_plugs_in_without_touching_the_detector():
         ).mean()
         assert torch.allclose(losses[f"loss_ref_cls_{k}"], (3.0 if k == 1 else 1.0) * expected)
         assert losses[f"loss_ref_box_{k}"] == 0
+
+
+def _near_duplicates(count=300, seed=0):
+    """One box jittered by under half a pixel and one ROI feature plus 1e-3 noise: the proposals of a
+    Selective Search cluster, whose scores differ only in their last few significant bits."""
+    g = torch.Generator().manual_seed(seed)
+    proposals = torch.tensor([10.0, 10.0, 50.0, 50.0]) + torch.rand(count, 4, generator=g) * 0.5
+    noise = 1e-3 * torch.randn(count, 128, generator=g)
+    features = torch.randn(1, 128, generator=g).expand(count, -1) + noise
+    return proposals, features
+
+
+def test_heads_pseudo_labels_and_losses_run_in_float32_under_autocast():
+    from wsod.modeling.refinement import MISTLabeler
+
+    seen = []
+
+    def recording_mist(proposals, scores, image_labels):
+        seen.append(scores.clone())
+        return MISTLabeler()(proposals, scores, image_labels)
+
+    model = _tiny(None, labeler=recording_mist)
+    with torch.no_grad():  # sharper heads than the N(0, 0.001) init, so that ranks matter
+        for name, p in model.named_parameters():
+            if name.startswith(("mil_head", "students")) and name.endswith("weight"):
+                p.normal_(std=0.3)
+    proposals, features = _near_duplicates()
+    labels = torch.tensor([[1.0, 1.0, 0.0]])
+    # The case bites: in bf16 these 300 scores collapse to a handful of values and the top box changes.
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        bf16_scores = model.mil_head(features, [len(features)])
+    fp32_scores = model.mil_head(features, [len(features)])
+    assert bf16_scores.dtype == torch.bfloat16 and fp32_scores[:, 1].unique().numel() == 300
+    assert bf16_scores[:, 1].unique().numel() < 30
+    assert bf16_scores[:, 1].float().argmax() != fp32_scores[:, 1].argmax()
+
+    plain = model.losses(features, [proposals], labels)
+    plain_scores, seen[:] = list(seen), []
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        amp = model.losses(features, [proposals], labels)
+        # Reduced-precision ROI features (what the neck gives under autocast) are cast up, not kept.
+        from_bf16 = model.losses(features.bfloat16(), [proposals], labels)
+    assert amp.keys() == plain.keys()
+    for name in plain:
+        assert amp[name].dtype == torch.float32 and torch.equal(amp[name], plain[name]), name
+        assert from_bf16[name].dtype == torch.float32
+    assert len(seen) == 2 * len(plain_scores) == 6
+    for ours, reference in zip(seen[:3], plain_scores, strict=True):
+        assert ours.dtype == torch.float32 and torch.equal(ours, reference)
+    torch.testing.assert_close(seen[0], fp32_scores[:, 1:].detach(), rtol=0, atol=0)
+
+    # Inference too: per-ROI predictions and NMS in float32 whatever the caller's context.
+    sizes = [(64, 96)]
+    with torch.no_grad():
+        plain_rois = model.predict_rois(features, [proposals], sizes, sizes)
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            amp_rois = model.predict_rois(features, [proposals], sizes, sizes)
+            detections = model.postprocess(*amp_rois[0])
+    for (s1, b1), (s2, b2) in zip(plain_rois, amp_rois, strict=True):
+        assert s2.dtype == b2.dtype == torch.float32 and torch.equal(s1, s2) and torch.equal(b1, b2)
+    assert detections["scores"].dtype == torch.float32

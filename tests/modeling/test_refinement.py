@@ -6,10 +6,17 @@ import math
 
 import pytest
 import torch
+from torchvision.ops import box_iou
 
 from wsod.modeling.box_coder import decode_boxes, encode_boxes
 from wsod.modeling.mil import MILHead, mil_loss
-from wsod.modeling.refinement import mist_pseudo_labels, oicr_pseudo_labels, refinement_losses
+from wsod.modeling.refinement import (
+    MISTLabeler,
+    OICRLabeler,
+    mist_pseudo_labels,
+    oicr_pseudo_labels,
+    refinement_losses,
+)
 
 # ----------------------------------------------------------------------------------------------------
 # Naive references: plain Python floats and loops, written from docs/METHOD.md §3-4.
@@ -47,6 +54,31 @@ def naive_pseudo_labels(proposals, scores, image_labels, p, tau, fg_iou, suppres
             if all(naive_iou(proposals[i], proposals[j]) < tau for j in compare_with):
                 kept.append(i)
         pseudo += [(proposals[i], c, scores[i][c]) for i in kept]
+    return naive_assign(proposals, pseudo, fg_iou, strict=False)
+
+
+def naive_oicr_pseudo_labels(proposals, scores, image_labels, fg_iou):
+    """The reference code's OICR (its oicr_layer) as read: present classes in ascending order; each
+    takes the first proposal of highest remaining score for it, with that score, and the taken
+    proposal's scores are set to 0 for every class; ROIs are foreground at IoU strictly above fg_iou."""
+    num_rois, num_classes = len(scores), len(scores[0])
+    remaining = [list(row) for row in scores]
+    pseudo = []
+    for c in range(num_classes):
+        if image_labels[c] <= 0:
+            continue
+        best = 0
+        for i in range(1, num_rois):
+            if remaining[i][c] > remaining[best][c]:  # strictly greater: the first maximum wins
+                best = i
+        pseudo.append((proposals[best], c, remaining[best][c]))
+        remaining[best] = [0.0] * num_classes
+    return naive_assign(proposals, pseudo, fg_iou, strict=True)
+
+
+def naive_assign(proposals, pseudo, fg_iou, strict):
+    """Each ROI takes the first pseudo box (box, class, score) of maximal IoU; foreground at IoU >=
+    fg_iou (MIST) or > fg_iou (strict, OICR); weight = that box's score; targets for foreground only."""
     labels, weights, targets = [], [], []
     for roi in proposals:
         if not pseudo:
@@ -58,7 +90,7 @@ def naive_pseudo_labels(proposals, scores, image_labels, p, tau, fg_iou, suppres
             if iou > best_iou:
                 best, best_iou = g, iou
         box, c, score = pseudo[best]
-        foreground = best_iou >= fg_iou
+        foreground = best_iou > fg_iou if strict else best_iou >= fg_iou
         labels.append(c + 1 if foreground else 0)
         weights.append(score)
         targets.append(naive_encode(box, roi) if foreground else [0.0] * 4)
@@ -87,8 +119,8 @@ CASES = [
 ]
 
 
-def _check_against_naive(got, proposals, scores, labels, **options):
-    exp_labels, exp_weights, exp_targets = naive_pseudo_labels(
+def _check_against_naive(got, proposals, scores, labels, naive=None, **options):
+    exp_labels, exp_weights, exp_targets = (naive or naive_pseudo_labels)(
         proposals.tolist(), scores.tolist(), labels.tolist(), **options
     )
     assert got[0].dtype == torch.int64
@@ -108,11 +140,48 @@ def test_mist_matches_naive_reference(case, suppress):
 
 
 @pytest.mark.parametrize("case", CASES)
-def test_oicr_matches_naive_top1_reference(case):
-    proposals, scores, labels = random_image(case["seed"], **_without_seed(case))
-    labels[0] = 1.0
-    got = oicr_pseudo_labels(proposals, scores, labels)
-    _check_against_naive(got, proposals, scores, labels, p=0.0, tau=1.0, fg_iou=0.5, suppress="kept")
+def test_oicr_matches_naive_reference(case):
+    for offset in range(5):
+        proposals, scores, labels = random_image(case["seed"] * 10 + offset, **_without_seed(case))
+        labels[offset % labels.numel()] = 1.0
+        got = oicr_pseudo_labels(proposals, scores, labels)
+        _check_against_naive(got, proposals, scores, labels, naive=naive_oicr_pseudo_labels, fg_iou=0.5)
+
+
+def test_oicr_blanks_a_proposal_once_a_class_took_it():
+    # Both classes score box a highest. Class 0 (first in ascending order) takes a; a is blanked, so
+    # class 1 takes its best remaining proposal, b (score 0.6), not a (0.9) again.
+    a, b, c = [0.0, 0.0, 10.0, 10.0], [30.0, 0.0, 40.0, 10.0], [0.0, 30.0, 10.0, 40.0]
+    proposals = torch.tensor([c, a, b, [1.0, 0.0, 10.0, 10.0]], dtype=torch.double)
+    scores = torch.tensor([[0.1, 0.3], [0.8, 0.9], [0.05, 0.6], [0.7, 0.2]], dtype=torch.double)
+    labels, weights, targets = oicr_pseudo_labels(proposals, scores, torch.tensor([1.0, 1.0]))
+    # c overlaps no pseudo box: background with a's weight (the first box of maximal IoU 0); a is class
+    # 0's box; b is class 1's; the last ROI (IoU 0.9 with a) is class 0 foreground.
+    assert labels.tolist() == [0, 1, 2, 1]
+    assert weights.tolist() == [0.8, 0.8, 0.6, 0.8]
+    assert targets[0].eq(0).all() and targets[1].eq(0).all() and targets[2].eq(0).all()
+    assert targets[3].abs().sum() > 0
+    _check_against_naive(
+        (labels, weights, targets), proposals, scores, torch.tensor([1.0, 1.0]),
+        naive=naive_oicr_pseudo_labels, fg_iou=0.5,
+    )  # fmt: skip
+    # Without blanking (two top-1 picks) class 1 would have taken a as well and b would be background.
+    mist_top1 = mist_pseudo_labels(proposals, scores, torch.tensor([1.0, 1.0]), p=0.0)
+    assert mist_top1[0].tolist() == [0, 1, 0, 1]
+
+
+def test_iou_exactly_one_half_is_background_for_oicr_and_foreground_for_mist():
+    # The ROI is the top half of the top box: IoU = 50 / 100 = 0.5 exactly (torchvision's box_iou).
+    proposals = torch.tensor([[0.0, 0.0, 10.0, 10.0], [0.0, 0.0, 10.0, 5.0]] + [[50.0, 50.0, 60.0, 60.0]] * 5)
+    scores = torch.tensor([[0.9], [0.1]] + [[0.0]] * 5)
+    labels = torch.tensor([1.0])
+    assert box_iou(proposals[:1], proposals[1:2]).item() == 0.5
+    assert oicr_pseudo_labels(proposals, scores, labels)[0][:2].tolist() == [1, 0]
+    assert mist_pseudo_labels(proposals, scores, labels)[0][:2].tolist() == [1, 1]
+    # The labellers pass their threshold with their own semantics.
+    assert OICRLabeler(fg_iou=0.5)(proposals, scores, labels)[0][1] == 0
+    assert OICRLabeler(fg_iou=0.49)(proposals, scores, labels)[0][1] == 1
+    assert MISTLabeler(fg_iou=0.5)(proposals, scores, labels)[0][1] == 1
 
 
 def _without_seed(case):

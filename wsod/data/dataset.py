@@ -113,7 +113,8 @@ class WeakDetectionDataset(Dataset):
         classes: the C class names, index = class index.
         proposals: a ``ProposalSet`` or the path of a proposal file; must hold every record's id.
         transform: item dict -> item dict, e.g. ``wsod.data.transforms.train_transform()``.
-        min_proposal_size: proposals narrower or shorter than this (pixels) are dropped.
+        min_proposal_size: proposals whose inclusive pixel width ``x2 - x1 + 1`` or height is below
+            this are dropped (``wsod.data.proposals.filter_proposals``).
         max_proposals: keep at most this many proposals per image (file order); None keeps all.
         drop_unlabelled: drop images without any positive image-level label (training).
         check_files: check at construction that every image file exists.

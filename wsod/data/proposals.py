@@ -32,7 +32,7 @@ import numpy as np
 import scipy.io
 import torch
 from torch import Tensor
-from torchvision.ops import clip_boxes_to_image, remove_small_boxes
+from torchvision.ops import clip_boxes_to_image
 
 from wsod.atomic import atomic_write
 from wsod.data.box_formats import from_one_based, to_one_based, xyxy_to_yxyx, yxyx_to_xyxy
@@ -195,16 +195,21 @@ def filter_proposals(
 ) -> Tensor:
     """docs/METHOD.md §9 loading rules on one image's boxes (R, 4) -> float32 (R', 4), R' <= R.
 
-    In order: clip to the image (0-based inclusive, so to ``[0, W - 1] x [0, H - 1]``); drop boxes with
-    ``x2 - x1 < min_size`` or ``y2 - y1 < min_size`` (torchvision's ``remove_small_boxes``); drop exact
-    duplicates, keeping the first; keep the first ``top_k`` (file order is the proposal method's ranking).
+    In order: clip to the image (0-based inclusive, so to ``[0, W - 1] x [0, H - 1]``); drop boxes whose
+    inclusive pixel width ``x2 - x1 + 1`` or height ``y2 - y1 + 1`` is below ``min_size`` (the reference
+    code's rule: with the default 2, a box spanning pixels 5 and 6, ``[5, ., 6, .]``, is kept) and boxes
+    with ``x2 <= x1`` or ``y2 <= y1`` whatever ``min_size`` (they have no area in the continuous
+    convention of IoU and box encoding; the reference's clipping drops them too); drop exact duplicates,
+    keeping the first; keep the first ``top_k`` (file order is the proposal method's ranking).
     Deduplication comes after clipping because clipping turns boxes that overhang an edge into duplicates.
     """
     height, width = image_size
     boxes = torch.tensor(np.asarray(boxes, dtype=np.float32)).reshape(-1, 4)
     # The last pixel of an image of width W is W - 1 in the inclusive convention.
     boxes = clip_boxes_to_image(boxes, (height - 1, width - 1))
-    boxes = boxes[remove_small_boxes(boxes, min_size)]
+    widths, heights = boxes[:, 2] - boxes[:, 0], boxes[:, 3] - boxes[:, 1]
+    keep = (widths + 1 >= min_size) & (heights + 1 >= min_size) & (widths > 0) & (heights > 0)
+    boxes = boxes[keep]
     if len(boxes):
         _, first = np.unique(boxes.numpy(), axis=0, return_index=True)
         boxes = boxes[torch.from_numpy(np.sort(first))]

@@ -8,9 +8,14 @@ torchvision treats coordinates as continuous, while wsod's are 0-based inclusive
 ``wsod.data.box_formats``); on flipped images this places boxes one resized pixel to the right of the
 exact pixel mirror, well below what a stride-16 feature map resolves, and it cancels when flipping back.
 
+Training images may also get AlexNet-style PCA lighting noise (``Lighting``): a random colour offset
+added to the RGB 0-1 image before normalisation, where the reference code adds it (after ``ToTensor``,
+before its ``Normalize``), with the same ImageNet eigenvalues and RGB eigenvectors.
+
 Item keys added or replaced (the rest pass through; ``gt_*`` stay in original pixels for evaluation):
 
-    image       float32 (3, h, w), RGB scaled to 0-1 then normalised with ``mean`` / ``std``
+    image       float32 (3, h, w), RGB scaled to 0-1, lighting noise added (training), then normalised
+                with ``mean`` / ``std``
     proposals   float32 (R, 4) in resized (and possibly flipped) pixels
     image_size  (h, w) of the resized, unpadded image
     flipped     bool
@@ -23,10 +28,20 @@ from collections.abc import Sequence
 
 import torch
 from torch import Tensor
+from torchvision import tv_tensors
 from torchvision.transforms import v2
 from torchvision.transforms.v2 import functional as F
 
-__all__ = ["IMAGENET_MEAN", "IMAGENET_STD", "DetectionTransform", "train_transform", "test_transform"]
+__all__ = [
+    "IMAGENET_MEAN",
+    "IMAGENET_STD",
+    "IMAGENET_PCA_EIGVAL",
+    "IMAGENET_PCA_EIGVEC",
+    "Lighting",
+    "DetectionTransform",
+    "train_transform",
+    "test_transform",
+]
 
 # torchvision's ImageNet weights expect RGB in 0-1 normalised with these.
 IMAGENET_MEAN = (0.485, 0.456, 0.406)
@@ -36,13 +51,60 @@ IMAGENET_STD = (0.229, 0.224, 0.225)
 TRAIN_SCALES = (480, 576, 688, 864, 1000, 1200)
 MAX_SIZE = 2000
 
+# PCA of the ImageNet RGB pixel colours on the 0-1 scale (AlexNet's lighting augmentation; the constants the
+# reference code uses, in data/transforms/build.py): eigenvalues, and eigenvectors as the columns of the
+# matrix, rows in R, G, B order. The reference's noise standard deviation is 0.1.
+IMAGENET_PCA_EIGVAL = (0.2175, 0.0188, 0.0045)
+IMAGENET_PCA_EIGVEC = (
+    (-0.5675, 0.7192, 0.4009),
+    (-0.5808, -0.0045, -0.8140),
+    (-0.5836, -0.6948, 0.4203),
+)
+LIGHTING_STD = 0.1
+
+
+class Lighting(torch.nn.Module):
+    """AlexNet-style PCA lighting noise on a float RGB image (3, H, W) on the 0-1 scale.
+
+    Draws ``alpha ~ N(0, std^2)`` per eigenvector (three draws from torch's global generator) and adds
+    the same colour offset ``eigvec @ (alpha * eigval)`` to every pixel; no clamping, as in the
+    reference. ``std`` 0 returns the image unchanged and draws nothing. A torchvision v2 style image
+    transform: use it inside ``v2.Compose`` between ``ToDtype(scale=True)`` and ``Normalize``.
+    """
+
+    def __init__(
+        self,
+        std: float = LIGHTING_STD,
+        eigval: Sequence[float] = IMAGENET_PCA_EIGVAL,
+        eigvec: Sequence[Sequence[float]] = IMAGENET_PCA_EIGVEC,
+    ) -> None:
+        super().__init__()
+        if std < 0:
+            raise ValueError(f"the lighting noise std must be >= 0, got {std}")
+        self.std = float(std)
+        self.register_buffer("eigval", torch.tensor(eigval, dtype=torch.float32), persistent=False)
+        self.register_buffer("eigvec", torch.tensor(eigvec, dtype=torch.float32), persistent=False)
+
+    def forward(self, image: Tensor) -> Tensor:
+        if self.std == 0:
+            return image
+        alpha = torch.randn(3) * self.std
+        offset = self.eigvec @ (alpha * self.eigval)
+        noisy = image.as_subclass(Tensor) + offset.to(image.dtype).view(3, 1, 1)
+        return tv_tensors.wrap(noisy, like=image) if isinstance(image, tv_tensors.TVTensor) else noisy
+
+    def extra_repr(self) -> str:
+        return f"std={self.std}"
+
 
 class DetectionTransform:
     """Resize the shorter side to a scale drawn uniformly from ``scales`` (longer side at most
-    ``max_size``), flip horizontally with probability ``flip_prob``, convert to normalised float.
+    ``max_size``), flip horizontally with probability ``flip_prob``, convert to float RGB 0-1, add PCA
+    lighting noise of standard deviation ``lighting_std`` (``Lighting``; 0: none), normalise.
 
-    With one scale and ``flip_prob`` 0 or 1 the transform is deterministic (``test_transform``).
-    Randomness comes from torch's global generator, which data-loader workers seed per worker.
+    With one scale, ``flip_prob`` 0 or 1 and ``lighting_std`` 0 the transform is deterministic
+    (``test_transform``). Randomness comes from torch's global generator, drawn in a fixed order (scale,
+    flip, lighting), which ``WeakDetectionDataset`` seeds per image for ``(index, seed)`` items.
     """
 
     def __init__(
@@ -51,6 +113,7 @@ class DetectionTransform:
         max_size: int | None = MAX_SIZE,
         *,
         flip_prob: float = 0.0,
+        lighting_std: float = 0.0,
         mean: Sequence[float] = IMAGENET_MEAN,
         std: Sequence[float] = IMAGENET_STD,
     ) -> None:
@@ -63,11 +126,16 @@ class DetectionTransform:
         if not 0.0 <= flip_prob <= 1.0:
             raise ValueError(f"flip_prob must be in [0, 1], got {flip_prob}")
         self.scales, self.max_size, self.flip_prob = tuple(scales), max_size, flip_prob
+        self.lighting_std = float(lighting_std)
         # Resize(int) sets the shorter side exactly (RandomShortestSize truncates it to scale - 1 at times).
         resizes = [v2.Resize(s, max_size=max_size, antialias=True) for s in scales]
         self.resize = resizes[0] if len(resizes) == 1 else v2.RandomChoice(resizes)
         self.to_float = v2.Compose(
-            [v2.ToDtype(torch.float32, scale=True), v2.Normalize(list(mean), list(std))]
+            [
+                v2.ToDtype(torch.float32, scale=True),
+                Lighting(lighting_std),
+                v2.Normalize(list(mean), list(std)),
+            ]
         )
 
     def __call__(self, item: dict) -> dict:
@@ -91,14 +159,22 @@ class DetectionTransform:
 
     def __repr__(self) -> str:
         name = type(self).__name__
-        return f"{name}(scales={self.scales}, max_size={self.max_size}, flip_prob={self.flip_prob})"
+        return (
+            f"{name}(scales={self.scales}, max_size={self.max_size}, flip_prob={self.flip_prob},"
+            f" lighting_std={self.lighting_std})"
+        )
 
 
 def train_transform(
-    scales: Sequence[int] = TRAIN_SCALES, max_size: int | None = MAX_SIZE, flip_prob: float = 0.5, **normalize
+    scales: Sequence[int] = TRAIN_SCALES,
+    max_size: int | None = MAX_SIZE,
+    flip_prob: float = 0.5,
+    lighting_std: float = LIGHTING_STD,
+    **normalize,
 ) -> DetectionTransform:
-    """Multi-scale training: random shorter side from ``scales``, random flip (docs/METHOD.md §8 defaults)."""
-    return DetectionTransform(scales, max_size, flip_prob=flip_prob, **normalize)
+    """Multi-scale training: random shorter side from ``scales``, random flip, PCA lighting noise
+    (docs/METHOD.md §8 defaults: the reference's, lighting std 0.1; 0 turns it off)."""
+    return DetectionTransform(scales, max_size, flip_prob=flip_prob, lighting_std=lighting_std, **normalize)
 
 
 def test_transform(

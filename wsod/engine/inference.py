@@ -22,7 +22,7 @@ from wsod.distributed import gather_to_main, get_rank, get_world_size
 from wsod.engine.amp import autocast, resolve_amp
 from wsod.modeling.detector import WeaklySupervisedDetector
 
-__all__ = ["MultiViewDataset", "predict", "random_detections"]
+__all__ = ["MultiViewDataset", "tta_views", "predict", "random_detections"]
 
 Detections = list[dict[str, Tensor]]
 
@@ -41,6 +41,13 @@ class MultiViewDataset(Dataset):
     def __getitem__(self, index: int) -> list[dict]:
         item = self.dataset[index]
         return [transform(item) for transform in self.transforms]
+
+
+def tta_views(scales: Sequence[int], flip: bool) -> list[tuple[int, bool]]:
+    """The test-time views as (shorter side, flipped), scale-major with the unflipped view first: the
+    reference code's order for ``scales=[800, 480, ..., 1200], flip=True`` (its 800-px test view and
+    that view flipped, then each of its augmentation scales and its flip; 14 views)."""
+    return [(int(scale), flipped) for scale in scales for flipped in ((False, True) if flip else (False,))]
 
 
 def _collate_views(items: list[list[dict]]) -> list[dict]:
@@ -77,9 +84,7 @@ def predict(
     device = torch.device(device)
     amp = resolve_amp(amp, device)
     rank, world = get_rank(), get_world_size()
-    views = [
-        test_transform(s, max_size, flip=f) for s in scales for f in ((False, True) if flip else (False,))
-    ]
+    views = [test_transform(scale, max_size, flip=flipped) for scale, flipped in tta_views(scales, flip)]
     indices = list(range(rank, len(dataset), world))
     loader = DataLoader(
         torch.utils.data.Subset(MultiViewDataset(dataset, views), indices),

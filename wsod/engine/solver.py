@@ -1,4 +1,5 @@
-"""Optimizer parameter groups and the warm-up + multi-step learning-rate schedule (docs/METHOD.md §8).
+"""Optimizer parameter groups, the warm-up + multi-step learning-rate schedule and the momentum rescale
+at learning-rate changes (docs/METHOD.md §8).
 
 The schedule counts optimizer steps, not forward passes: with gradient accumulation over N batches, one
 scheduler step happens every N batches, so the recipe's iteration numbers keep their meaning.
@@ -12,7 +13,19 @@ from collections.abc import Sequence
 import torch
 from torch import nn
 
-__all__ = ["param_groups", "build_optimizer", "WarmupMultiStep", "build_scheduler"]
+__all__ = [
+    "param_groups",
+    "build_optimizer",
+    "WarmupMultiStep",
+    "WarmupMultiStepLR",
+    "rescale_momentum",
+    "build_scheduler",
+]
+
+# The reference code's rule (engine/trainer.py): rescale when the learning rate changes by a factor above
+# 1.1 either way, from a learning rate above 1e-7.
+MOMENTUM_RESCALE_RATIO = 1.1
+MOMENTUM_RESCALE_MIN_LR = 1e-7
 
 
 def param_groups(
@@ -86,6 +99,69 @@ class WarmupMultiStep:
         return decay * (self.warmup_factor * (1 - alpha) + alpha)
 
 
+def rescale_momentum(
+    optimizer: torch.optim.Optimizer,
+    previous_lrs: Sequence[float],
+    *,
+    ratio: float = MOMENTUM_RESCALE_RATIO,
+    min_lr: float = MOMENTUM_RESCALE_MIN_LR,
+) -> bool:
+    """Multiply each SGD momentum buffer by ``new_lr / old_lr`` where the learning rate just changed a lot.
+
+    ``previous_lrs``: each parameter group's learning rate before the scheduler stepped; the new ones are
+    read from the optimizer. A group is rescaled when its old learning rate is above ``min_lr`` and
+    ``max(new / old, old / new) > ratio`` (the reference code's rule: with 1.1, a drop to below 1 / 1.1 of
+    the old value or a rise above 1.1 times it; a linear warm-up over 200 steps changes it by at most 1% a
+    step and is never rescaled). Only what the optimizer holds is read, so a resumed run behaves as an
+    uninterrupted one. Returns whether any buffer was rescaled.
+    """
+    rescaled = False
+    for group, old in zip(optimizer.param_groups, previous_lrs, strict=True):
+        new = group["lr"]
+        if old <= min_lr or new == old or max(new / old, old / max(new, 1e-10)) <= ratio:
+            continue
+        for param in group["params"]:
+            buffer = optimizer.state.get(param, {}).get("momentum_buffer")
+            if buffer is not None:
+                buffer.mul_(new / old)
+                rescaled = True
+    return rescaled
+
+
+class WarmupMultiStepLR(torch.optim.lr_scheduler.LambdaLR):
+    """``LambdaLR`` on a ``WarmupMultiStep`` schedule that, with ``momentum_rescale``, rescales SGD momentum
+    buffers at every large learning-rate change (``rescale_momentum``), right after the learning rate
+    changes and before the next optimizer step uses it, as the reference trainer does.
+
+    ``momentum_rescale`` is a setting, not state: it is left out of ``state_dict`` so that the config of
+    a resumed run decides it.
+    """
+
+    def __init__(
+        self, optimizer: torch.optim.Optimizer, schedule: WarmupMultiStep, *, momentum_rescale: bool = False
+    ) -> None:
+        # LambdaLR's constructor steps once to set the starting learning rate: nothing to rescale there.
+        self.momentum_rescale = False
+        super().__init__(optimizer, schedule)
+        self.momentum_rescale = momentum_rescale
+
+    def step(self, epoch: int | None = None) -> None:
+        previous = [group["lr"] for group in self.optimizer.param_groups]
+        super().step(epoch)
+        if self.momentum_rescale:
+            rescale_momentum(self.optimizer, previous)
+
+    def state_dict(self) -> dict:
+        state = super().state_dict()
+        state.pop("momentum_rescale", None)
+        return state
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        setting = self.momentum_rescale
+        super().load_state_dict({k: v for k, v in state_dict.items() if k != "momentum_rescale"})
+        self.momentum_rescale = setting
+
+
 def build_scheduler(
     optimizer: torch.optim.Optimizer,
     *,
@@ -93,7 +169,12 @@ def build_scheduler(
     gamma: float = 0.1,
     warmup_iters: int = 0,
     warmup_factor: float = 1 / 3,
-) -> torch.optim.lr_scheduler.LambdaLR:
-    return torch.optim.lr_scheduler.LambdaLR(
-        optimizer, WarmupMultiStep(milestones, gamma, warmup_iters, warmup_factor)
+    momentum_rescale: bool = False,
+) -> WarmupMultiStepLR:
+    """The warm-up + multi-step schedule; ``momentum_rescale`` rescales SGD momentum buffers at large
+    learning-rate changes (the reference recipe; ``rescale_momentum``)."""
+    return WarmupMultiStepLR(
+        optimizer,
+        WarmupMultiStep(milestones, gamma, warmup_iters, warmup_factor),
+        momentum_rescale=momentum_rescale,
     )

@@ -9,6 +9,11 @@ Batch contract (``forward``):
 Training returns ``{"loss_mil", "loss_ref_cls_k", "loss_ref_box_k" for k = 1..K}``, scalars whose sum
 is the training loss. Evaluation returns per image ``{"boxes" (D, 4) in original pixels, "scores" (D,),
 "labels" (D,) foreground class 0..C-1}``.
+
+Precision (docs/METHOD.md §2): under autocast only the base and the per-ROI neck run in reduced
+precision. ``losses``, ``predict_rois`` and ``postprocess`` cast reduced-precision ROI features to
+float32 and run with autocast off, so the MIL head, the students, the pseudo-labels that rank their
+scores, the losses and inference all compute in full precision whatever context the caller is in.
 """
 
 from __future__ import annotations
@@ -43,8 +48,19 @@ BACKBONES: dict[str, Callable[..., Backbone]] = {
 }
 
 ImageSize = tuple[int, int]
+_REDUCED_PRECISION = (torch.float16, torch.bfloat16)
 # Detections narrower or shorter than this (original pixels) are dropped, as torchvision's heads do.
 MIN_BOX_SIZE = 1e-2
+
+
+def _full_precision(features: Tensor) -> Tensor:
+    """Reduced-precision (bf16 / fp16) features as float32; float32 and float64 ones unchanged."""
+    return features.float() if features.dtype in _REDUCED_PRECISION else features
+
+
+def _autocast_off(tensor: Tensor) -> torch.autocast:
+    """Autocast disabled on ``tensor``'s device type, whatever the caller enabled."""
+    return torch.autocast(tensor.device.type, enabled=False)
 
 
 def proposals_to_rois(proposals: Sequence[Tensor]) -> Tensor:
@@ -144,7 +160,18 @@ class WeaklySupervisedDetector(nn.Module):
     def losses(
         self, roi_features: Tensor, proposals: Sequence[Tensor], image_labels: Tensor
     ) -> dict[str, Tensor]:
-        """MIL loss of the teacher, then each student trained on pseudo-labels from its predecessor."""
+        """MIL loss of the teacher, then each student trained on pseudo-labels from its predecessor.
+
+        Runs in full precision: ROI features in bf16 / fp16 are cast to float32 and autocast is off, so
+        that MIST ranks float32 scores (bf16 keeps 8 significant bits: near-duplicate proposals would
+        tie and the top-ranked box would change).
+        """
+        with _autocast_off(roi_features):
+            return self._losses(_full_precision(roi_features), proposals, image_labels)
+
+    def _losses(
+        self, roi_features: Tensor, proposals: Sequence[Tensor], image_labels: Tensor
+    ) -> dict[str, Tensor]:
         counts = [len(p) for p in proposals]
         teacher_scores = self.mil_head(roi_features, counts)  # (R, C+1)
         losses = {"loss_mil": mil_loss(teacher_scores, counts, image_labels)}
@@ -184,8 +211,18 @@ class WeaklySupervisedDetector(nn.Module):
 
         Averages the students' class probabilities and box deltas, decodes each class's box, clips it to
         the resized image and maps it to original pixels. Returns per image (scores (R_i, C+1),
-        boxes (R_i, C+1, 4)), column 0 being background.
+        boxes (R_i, C+1, 4)), column 0 being background. Full precision, like ``losses``.
         """
+        with _autocast_off(roi_features):
+            return self._predict_rois(_full_precision(roi_features), proposals, image_sizes, original_sizes)
+
+    def _predict_rois(
+        self,
+        roi_features: Tensor,
+        proposals: Sequence[Tensor],
+        image_sizes: Sequence[ImageSize],
+        original_sizes: Sequence[ImageSize],
+    ) -> list[tuple[Tensor, Tensor]]:
         outputs = [student(roi_features) for student in self.students]
         probs = torch.stack([F.softmax(logits, dim=1) for logits, _ in outputs]).mean(dim=0)
         deltas = torch.stack([d for _, d in outputs]).mean(dim=0)
@@ -206,6 +243,10 @@ class WeaklySupervisedDetector(nn.Module):
 
     def postprocess(self, scores: Tensor, boxes: Tensor) -> dict[str, Tensor]:
         """One image's per-ROI scores (R, C+1) and boxes (R, C+1, 4) -> per-class NMS detections."""
+        with _autocast_off(scores):
+            return self._postprocess(scores, boxes)
+
+    def _postprocess(self, scores: Tensor, boxes: Tensor) -> dict[str, Tensor]:
         num_classes = scores.shape[1] - 1
         fg_scores = scores[:, 1:].reshape(-1)
         fg_boxes = boxes[:, 1:].reshape(-1, 4)

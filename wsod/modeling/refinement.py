@@ -7,6 +7,9 @@ regression targets are torchvision's ``BoxCoder`` encoding with weights (10, 10,
 Ordering conventions (they decide ties): proposals of a class are ranked by score with a stable sort, so
 equal scores keep proposal order; pseudo boxes are listed class by class in ascending class order and,
 within a class, in rank order; each ROI takes the first pseudo box of maximal IoU.
+
+Foreground rule: MIST calls an ROI foreground at IoU >= ``fg_iou`` with its pseudo box, OICR at IoU >
+``fg_iou`` (strict), as the reference code's two labellers do (docs/METHOD.md §4).
 """
 
 from __future__ import annotations
@@ -77,9 +80,16 @@ def _suppress_candidates(candidates: Tensor, tau: float, suppress: str) -> Tenso
 
 
 def _assign_to_pseudo_boxes(
-    proposals: Tensor, boxes: Tensor, classes: Tensor, box_scores: Tensor, fg_iou: float
+    proposals: Tensor,
+    boxes: Tensor,
+    classes: Tensor,
+    box_scores: Tensor,
+    fg_iou: float,
+    *,
+    strict: bool = False,
 ) -> tuple[Tensor, Tensor, Tensor]:
-    """Each ROI takes the pseudo box of maximal IoU: its class if IoU >= fg_iou, else background."""
+    """Each ROI takes the pseudo box of maximal IoU: its class if IoU >= fg_iou (IoU > fg_iou when
+    ``strict``), else background."""
     num_rois = proposals.shape[0]
     if boxes.shape[0] == 0:
         return (
@@ -90,7 +100,8 @@ def _assign_to_pseudo_boxes(
     overlaps = box_iou(proposals, boxes)  # (R, G)
     assigned = overlaps.argmax(dim=1)  # first maximal pseudo box on ties
     max_iou = overlaps.gather(1, assigned[:, None]).squeeze(1)
-    labels = torch.where(max_iou >= fg_iou, classes[assigned] + 1, 0)
+    foreground = max_iou > fg_iou if strict else max_iou >= fg_iou
+    labels = torch.where(foreground, classes[assigned] + 1, 0)
     weights = box_scores[assigned].to(proposals.dtype)
     targets = encode_boxes(boxes[assigned], proposals)
     targets = targets * (labels > 0)[:, None]  # background ROIs regress nothing
@@ -156,15 +167,46 @@ def mist_pseudo_labels(
 def oicr_pseudo_labels(
     proposals: Tensor, scores: Tensor, image_labels: Tensor, *, fg_iou: float = 0.5
 ) -> tuple[Tensor, Tensor, Tensor]:
-    """OICR pseudo ground truth: the single top-scoring proposal per present class (the top-1 special
-    case of ``mist_pseudo_labels``). Same arguments and returns."""
-    # p = 0 makes max(1, int(p R)) = 1: one candidate per class, nothing left to suppress.
-    return mist_pseudo_labels(proposals, scores, image_labels, p=0.0, tau=1.0, fg_iou=fg_iou)
+    """OICR pseudo ground truth for one image (Tang et al., CVPR 2017; reference ``oicr_layer``).
+
+    The classes present in ``image_labels`` take one pseudo box each, in ascending class order: the
+    proposal of highest score for that class (the first such proposal on ties), carrying that score.
+    A taken proposal is blanked: its scores become 0 for every class, so a later class takes its best
+    proposal among those no earlier class took (with scores >= 0, as the source scores are, a blanked
+    proposal can be taken again only when every remaining score of that class is 0; it then carries 0).
+    Each ROI is then assigned to its pseudo box of maximal IoU and is foreground when that IoU is
+    **above** ``fg_iou`` (strict; MIST's ``fg_iou`` is inclusive, IoU >= ``fg_iou``). Arguments and
+    returns as ``mist_pseudo_labels``; regression targets are the same encoding as MIST's (the
+    reference code's OICR path has no box regression).
+    """
+    num_rois = proposals.shape[0]
+    if scores.shape != (num_rois, image_labels.shape[0]):
+        raise ValueError(
+            f"scores must be (R, C) = ({num_rois}, {image_labels.shape[0]}), got {tuple(scores.shape)}"
+        )
+    remaining = scores.clone()
+    taken, classes, box_scores = [], [], []
+    for c in (image_labels > 0).nonzero().flatten().tolist():
+        top = int(torch.argmax(remaining[:, c]))  # argmax returns the first maximal index
+        taken.append(top)
+        classes.append(c)
+        box_scores.append(remaining[top, c].clone())
+        remaining[top] = 0
+    index = torch.tensor(taken, dtype=torch.int64, device=proposals.device)
+    return _assign_to_pseudo_boxes(
+        proposals,
+        proposals[index],
+        torch.tensor(classes, dtype=torch.int64, device=proposals.device),
+        torch.stack(box_scores) if box_scores else scores.new_zeros(0),
+        fg_iou,
+        strict=True,
+    )
 
 
 @dataclass(frozen=True)
 class MISTLabeler:
-    """MIST pseudo-labels (``mist_pseudo_labels``) with fixed settings, as a ``PseudoLabeler``."""
+    """MIST pseudo-labels (``mist_pseudo_labels``) with fixed settings, as a ``PseudoLabeler``.
+    ``fg_iou`` is inclusive: an ROI is foreground at IoU >= ``fg_iou``."""
 
     p: float = 0.15
     tau: float = 0.2
@@ -191,7 +233,8 @@ class MISTLabeler:
 
 @dataclass(frozen=True)
 class OICRLabeler:
-    """OICR pseudo-labels (``oicr_pseudo_labels``) as a ``PseudoLabeler``."""
+    """OICR pseudo-labels (``oicr_pseudo_labels``) as a ``PseudoLabeler``. ``fg_iou`` is strict: an ROI
+    is foreground at IoU > ``fg_iou`` (``MISTLabeler``'s is inclusive, IoU >= ``fg_iou``)."""
 
     fg_iou: float = 0.5
 
