@@ -4,6 +4,7 @@ runs through tools/train.py are in tests/test_run.py.)"""
 
 from __future__ import annotations
 
+import itertools
 import json
 
 import pytest
@@ -32,8 +33,9 @@ class _Tiny(nn.Module):
 
 
 def _batches(start):
-    g = torch.Generator().manual_seed(100 + start)
-    while True:
+    """Batch i is a function of i alone, so a resumed stream continues the uninterrupted one."""
+    for index in itertools.count(start):
+        g = torch.Generator().manual_seed(100 + index)
         yield {
             "images": torch.randn(4, 3, 1, 1, generator=g),
             "proposals": [torch.zeros(1, 4)] * 4,
@@ -119,3 +121,23 @@ def test_resume_applies_a_new_learning_rate_and_logs_each_iteration_once(tmp_pat
     # The new rate, at the restored place of the schedule (warm-up over at 2, x0.1 after 4 steps).
     assert [r["lr"] for r in rows[2:]] == pytest.approx([0.5, 0.5, 0.05])
     assert optimizer.param_groups[0]["momentum"] == 0.9
+
+
+def test_resume_after_a_momentum_rescale_equals_the_uninterrupted_run(tmp_path):
+    def setup():
+        torch.manual_seed(0)
+        model = _Tiny()
+        optimizer = build_optimizer(model, name="sgd", lr=0.1, momentum=0.9, weight_decay=0.0)
+        return model, optimizer, build_scheduler(optimizer, milestones=[3], momentum_rescale=True)
+
+    straight = setup()
+    _run(*straight, tmp_path / "straight", max_iter=6)
+    _run(*setup(), tmp_path / "cut", max_iter=6, checkpoint_period=4)
+    (tmp_path / "cut" / "model_0000006.pth").unlink()
+    # Resumed at 4, after the rescale at the lr drop of step 3: it must not be applied a second time.
+    resumed = setup()
+    _run(*resumed, tmp_path / "cut", max_iter=6, resume_from=latest_valid_checkpoint(tmp_path / "cut"))
+    for (name, ours), theirs in zip(
+        resumed[0].state_dict().items(), straight[0].state_dict().values(), strict=True
+    ):
+        assert torch.equal(ours, theirs), name

@@ -151,6 +151,16 @@ class WarmupMultiStepLR(torch.optim.lr_scheduler.LambdaLR):
         if self.momentum_rescale:
             rescale_momentum(self.optimizer, previous)
 
+    def place(self, iteration: int) -> None:
+        """Set the learning rates of optimizer step ``iteration`` (a resumed run's position) without
+        rescaling momentum: restored momentum buffers already carry every rescale up to there."""
+        self.last_epoch = iteration
+        for group, base, schedule in zip(
+            self.optimizer.param_groups, self.base_lrs, self.lr_lambdas, strict=True
+        ):
+            group["lr"] = base * schedule(iteration)
+        self._last_lr = [group["lr"] for group in self.optimizer.param_groups]
+
     def state_dict(self) -> dict:
         state = super().state_dict()
         state.pop("momentum_rescale", None)

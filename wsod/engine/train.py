@@ -14,7 +14,6 @@ from __future__ import annotations
 import logging
 import math
 import time
-import warnings
 from collections.abc import Callable, Iterator
 from contextlib import ExitStack, nullcontext
 from pathlib import Path
@@ -37,6 +36,7 @@ from wsod.engine.checkpoint import (
 )
 from wsod.engine.evaluate import Evaluator
 from wsod.engine.run_log import RunLog
+from wsod.engine.solver import WarmupMultiStepLR
 
 __all__ = ["train", "NonFiniteLossError"]
 
@@ -66,16 +66,6 @@ def _load_optimizer_keeping_hyperparameters(optimizer: torch.optim.Optimizer, sa
     optimizer.load_state_dict(saved)
     for group, hyperparameters in zip(optimizer.param_groups, fresh, strict=True):
         group.update(hyperparameters)
-
-
-def _place_schedule(scheduler: torch.optim.lr_scheduler.LRScheduler, iteration: int) -> None:
-    """Put a freshly built scheduler at ``iteration``: the schedule is a function of the iteration alone
-    (``LambdaLR``), so no saved state is needed and a changed schedule takes effect at once."""
-    scheduler.last_epoch = iteration - 1
-    with warnings.catch_warnings():
-        # step() before any optimizer.step() warns about a skipped first value; here it is the point.
-        warnings.simplefilter("ignore", UserWarning)
-        scheduler.step()
 
 
 def _recorded_best(path: Path) -> dict[str, Any] | None:
@@ -128,7 +118,7 @@ def _check_parameters(model: nn.Module, iteration: int) -> None:
 def train(
     model: nn.Module,
     optimizer: torch.optim.Optimizer,
-    scheduler: torch.optim.lr_scheduler.LRScheduler,
+    scheduler: WarmupMultiStepLR,
     make_batches: Callable[[int], Iterator[dict[str, Any]]],
     *,
     max_iter: int,
@@ -188,7 +178,9 @@ def train(
         set_rng_state(checkpoint["rng"])
         state.update(checkpoint["trainer"])
         state["best"] = _better_best(state["best"], _recorded_best(run_dir / "model_best.pth"))
-        _place_schedule(scheduler, state["iteration"])
+        # The schedule is a function of the iteration: a freshly built one, placed at the restored
+        # iteration, applies a changed schedule at once and equals the saved one otherwise.
+        scheduler.place(state["iteration"])
         logger.info("resumed from %s at iteration %d", path, state["iteration"])
 
     # On a resume, rows and events logged after the checkpoint's iteration are dropped: they repeat.
