@@ -32,6 +32,7 @@ from wsod.modeling.mil import MILHead, mil_loss
 from wsod.modeling.refinement import MISTLabeler, PseudoLabeler, RefinementStudent, refinement_losses
 from wsod.modeling.resnet import resnet_c4_backbone
 from wsod.modeling.roi_head import RoIFeatureHead, build_roi_pooler
+from wsod.modeling.vgg import vgg16_backbone
 
 __all__ = [
     "WeaklySupervisedDetector",
@@ -44,7 +45,8 @@ __all__ = [
 
 # Backbone name -> builder(**options) -> Backbone. A new backbone is one module and one line here.
 BACKBONES: dict[str, Callable[..., Backbone]] = {
-    f"resnet{depth}": partial(resnet_c4_backbone, depth) for depth in (18, 34, 50, 101)
+    **{f"resnet{depth}": partial(resnet_c4_backbone, depth) for depth in (18, 34, 50, 101)},
+    "vgg16": vgg16_backbone,
 }
 
 ImageSize = tuple[int, int]
@@ -263,7 +265,8 @@ class WeaklySupervisedDetector(nn.Module):
 
 def build_backbone(name: str, **options) -> Backbone:
     """The ``Backbone`` called ``name`` in ``BACKBONES``, built with its own ``options`` (for ResNet:
-    ``width``, ``weights``, ``norm``, ``neck_norm``, ``freeze_at``; see ``build_resnet_c4``)."""
+    ``width``, ``weights``, ``norm``, ``neck_norm``, ``freeze_at``, see ``build_resnet_c4``; for VGG16:
+    ``weights``, ``freeze_at``, see ``vgg16_backbone``)."""
     if name not in BACKBONES:
         raise ValueError(f"unknown backbone '{name}': expected one of {sorted(BACKBONES)}")
     try:
@@ -323,7 +326,8 @@ def build_detector(
     """One-line builder: ``build_detector("resnet50", num_classes=20, chunk_size=256)``.
 
     ``backbone`` is a name of ``BACKBONES`` and ``backbone_options`` its builder's options (ResNet:
-    ``width``, ``weights``, ``norm``, ``neck_norm``, ``freeze_at``); see ``detector_from_backbone`` for
+    ``width``, ``weights``, ``norm``, ``neck_norm``, ``freeze_at``; VGG16: ``weights``, ``freeze_at``,
+    with ``pooler="pool", roi_size=7``); see ``detector_from_backbone`` for
     the ROI head (``chunk_size``, ``test_chunk_size``, ``pooler``, ``roi_size``, ``fuse_pooling``) and
     ``WeaklySupervisedDetector`` for the rest.
     """

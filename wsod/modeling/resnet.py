@@ -9,18 +9,16 @@ state dicts load unchanged when the width multiplier is 1.
 from __future__ import annotations
 
 import math
-import os
-import urllib.error
 from collections import OrderedDict
 from collections.abc import Callable
 
 import torch
-import torchvision
 from torch import nn
 from torchvision.models.resnet import BasicBlock, Bottleneck
 
 from wsod.modeling.backbone import Backbone
 from wsod.modeling.frozen_bn import FrozenBatchNorm2d
+from wsod.modeling.pretrained import load_state_dict
 
 __all__ = ["build_resnet_c4", "resnet_c4_backbone", "ResNetNeck", "make_norm_layer", "RES5_SPATIAL_STRIDE"]
 
@@ -109,36 +107,6 @@ class _ResNetTrunk(nn.Module):
                 nn.init.zeros_(m.bias)
 
 
-def _load_state_dict(weights: str, depth: int) -> dict[str, torch.Tensor]:
-    """ImageNet weights by torchvision name ("DEFAULT", "IMAGENET1K_V2", "ResNet50_Weights.IMAGENET1K_V1")
-    or by local file path (a state dict, possibly under a "state_dict" or "model" key)."""
-    if os.path.sep in weights or weights.endswith((".pth", ".pt")) or os.path.exists(weights):
-        if not os.path.isfile(weights):
-            raise FileNotFoundError(f"backbone weights file not found: {weights}")
-        state = torch.load(weights, map_location="cpu", weights_only=True)
-        for key in ("state_dict", "model"):
-            if isinstance(state, dict) and key in state and isinstance(state[key], dict):
-                state = state[key]
-        return state
-    enum = torchvision.models.get_model_weights(f"resnet{depth}")
-    name = weights.split(".")[-1]
-    try:
-        entry = enum[name] if name != "DEFAULT" else enum.DEFAULT
-    except KeyError:
-        raise ValueError(
-            f"unknown weights '{weights}' for resnet{depth}: expected a file path or one of"
-            f" {[w.name for w in enum]} or DEFAULT"
-        ) from None
-    try:
-        return entry.get_state_dict(progress=True)
-    except (urllib.error.URLError, OSError) as error:
-        cache = os.path.join(torch.hub.get_dir(), "checkpoints")
-        raise RuntimeError(
-            f"could not load {enum.__name__}.{entry.name} ({error}). Offline? Download {entry.url} on a"
-            f" connected machine and put it in {cache}, or pass the file's path as the weights."
-        ) from error
-
-
 def build_resnet_c4(
     depth: int = 50,
     *,
@@ -172,7 +140,8 @@ def build_resnet_c4(
             raise ValueError(f"ImageNet weights need width=1.0, got width={width}")
         if "gn" in (norm, neck_norm):
             raise ValueError("ImageNet BatchNorm weights cannot initialise GroupNorm layers")
-        state = {k: v for k, v in _load_state_dict(weights, depth).items() if not k.startswith("fc.")}
+        state = load_state_dict(weights, f"resnet{depth}")
+        state = {k: v for k, v in state.items() if not k.startswith("fc.")}
         missing, unexpected = trunk.load_state_dict(state, strict=False)
         # FrozenBatchNorm2d has no num_batches_tracked buffer; anything else missing is a wrong file.
         missing = [k for k in missing if not k.endswith("num_batches_tracked")]
