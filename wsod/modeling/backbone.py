@@ -17,12 +17,14 @@ __all__ = ["Backbone"]
 
 @dataclass
 class Backbone:
-    """base: images (B, 3, H, W) -> feature map (B, C, H / stride, W / stride);
-    neck: pooled ROI features (R, C, S, S) -> ROI feature vectors (R, feature_dim);
+    """base: images (B, 3, H, W) -> feature map (B, channels, H / stride, W / stride);
+    neck: pooled ROI features (R, channels, S, S) -> ROI feature vectors (R, feature_dim);
     stride: the feature map's stride in input pixels (the ROI pooler's scale is 1 / stride);
-    feature_dim: D, the width of the heads' input."""
+    feature_dim: D, the width of the heads' input;
+    channels: C, the feature map's (and so the pooled features') channels."""
 
     base: nn.Module
     neck: nn.Module
     stride: int
     feature_dim: int
+    channels: int

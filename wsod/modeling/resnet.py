@@ -184,4 +184,6 @@ def resnet_c4_backbone(depth: int, **options) -> Backbone:
     pooling as the neck, C5 features per ROI (2048 for ResNet-50/101 at full width)."""
     base, res5 = build_resnet_c4(depth, **options)
     neck = ResNetNeck(*res5)
-    return Backbone(base=base, neck=neck, stride=C4_STRIDE, feature_dim=res5.out_channels)
+    return Backbone(
+        base=base, neck=neck, stride=C4_STRIDE, feature_dim=res5.out_channels, channels=base.out_channels
+    )

@@ -163,4 +163,7 @@ def vgg16_backbone(*, weights: str | None = None, freeze_at: int = 2, _width: fl
     for name in TORCHVISION_NAMES:
         if name.startswith("conv") and int(name[4]) <= freeze_at:
             getattr(base, name).requires_grad_(False)
-    return Backbone(base=base, neck=neck, stride=VGG16_STRIDE, feature_dim=neck.fc7.out_features)
+    channels = base.conv5_3.out_channels
+    return Backbone(
+        base=base, neck=neck, stride=VGG16_STRIDE, feature_dim=neck.fc7.out_features, channels=channels
+    )
