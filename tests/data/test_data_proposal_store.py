@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import pickle
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -18,7 +20,10 @@ from wsod.data.proposals import (
     load_proposals,
     save_proposals,
 )
+from wsod.data.selective_search import generate_proposals
 from wsod.data.voc import VOCDataset
+
+REPO = Path(__file__).resolve().parents[2]
 
 
 def _random_set(num_images: int = 30, seed: int = 0, ids=None) -> ProposalSet:
@@ -233,6 +238,36 @@ def test_voc_dataset_with_a_store_gives_the_items_of_the_pickle(make_voc, write_
     save_proposals(ProposalSet(["000005"], [np.ones((1, 4))]), tmp_path / "part.proposals")
     with pytest.raises(MissingProposalsError, match=r"1 of 2 images have no proposals in .*part\.proposals"):
         VOCDataset(devkit, "2007", "trainval", tmp_path / "part.proposals", classes=("cat", "dog"))
+
+
+def _tool(name: str):
+    spec = importlib.util.spec_from_file_location(name, REPO / "tools" / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_make_proposals_tool_converts_a_pickle_to_a_store(tmp_path, capsys):
+    original = _random_set()
+    save_proposals(original, tmp_path / "p.pkl")
+    tool = _tool("make_proposals")
+    assert tool.main(["convert", str(tmp_path / "p.pkl"), str(tmp_path / "p.proposals")]) == 0
+    assert "p.proposals" in capsys.readouterr().out
+    _assert_same(load_proposals(tmp_path / "p.proposals"), original)
+    half = ["convert", str(tmp_path / "p.pkl"), str(tmp_path / "h.proposals"), "--dtype", "float16"]
+    assert tool.main(half) == 0
+    assert load_proposals(tmp_path / "h.proposals").manifest["dtype"] == "float16"
+
+
+def test_selective_search_writes_a_store(jpeg, tmp_path):
+    images = [("000001", tmp_path / "a.jpg"), ("000002", tmp_path / "b.jpg")]
+    jpeg(images[0][1], 40, 50, seed=0)
+    jpeg(images[1][1], 30, 40, seed=1)
+    in_memory, _ = generate_proposals(images, tmp_path / "ss.proposals", workers=1, progress=False)
+    store = load_proposals(tmp_path / "ss.proposals")
+    assert isinstance(store, ProposalStore) and store.num_boxes > 0
+    _assert_same(store, in_memory)
+    assert not (tmp_path / "ss.proposals.parts").exists()
 
 
 def test_write_refuses_other_names_and_dtypes(tmp_path):
