@@ -11,6 +11,14 @@ import numpy as np
 import pytest
 import torch
 
+from wsod.benchmarks.proposals import (
+    format_table,
+    in_fresh_process,
+    make_synthetic_proposals,
+    measure_access,
+    run_benchmark,
+    write_markdown,
+)
 from wsod.data import proposal_store
 from wsod.data.proposal_store import ProposalStore, ProposalStoreError, write_proposal_store
 from wsod.data.proposals import (
@@ -275,3 +283,49 @@ def test_write_refuses_other_names_and_dtypes(tmp_path):
         write_proposal_store(_random_set(), tmp_path / "p.store")
     with pytest.raises(ValueError, match="store dtype must be one of"):
         write_proposal_store(_random_set(), tmp_path / "p.proposals", dtype="float64")
+
+
+def test_benchmark_runs_at_a_tiny_size(tmp_path):
+    result = run_benchmark(
+        50,
+        20,
+        reads=30,
+        lookups=200,
+        workers=2,
+        contexts=("fork",),
+        loader_sources=("none", "store"),
+        directory=tmp_path,
+        fresh_processes=False,
+        index_ids=100,
+        log=lambda _: None,
+    )
+    assert list(tmp_path.iterdir()) == []  # the synthetic files are deleted
+    assert set(result.access) == {"pickle", "store"} and result.store_bytes > 50 * 20 * 16
+    assert all(a.reads == 30 and a.reads_per_second > 0 for a in result.access.values())
+    store_run = next(r for r in result.loader if r.source == "store")
+    assert store_run.items == 30 and len(store_run.worker_memory) == 2 and store_run.total("rss") > 0
+    assert set(result.index_mb) == {"int", "str"} and all(0 < mb < 1 for mb in result.index_mb.values())
+    table = format_table(result)
+    assert "lookups per second" in table and "store" in table
+    write_markdown(result, tmp_path / "r.md", command="python x", machine="test machine", date="today")
+    text = (tmp_path / "r.md").read_text()
+    assert "test machine, today" in text and "PSS" in text and "| fork | store |" in text
+
+
+def test_benchmark_tool_writes_its_report(tmp_path, capsys):
+    report = tmp_path / "out" / "r.md"
+    argv = ["--images", "20", "--boxes", "5", "--reads", "10", "--lookups", "50", "--workers", "0"]
+    argv += ["--contexts", "fork", "--loader-sources", "store", "--in-process", "--report", str(report)]
+    argv += ["--dir", str(tmp_path), "--index-ids", "0"]
+    assert _tool("benchmark_proposals").main(argv) == 0
+    assert "reads per second" in capsys.readouterr().out
+    assert "python tools/benchmark_proposals.py --images 20" in report.read_text()
+
+
+@pytest.mark.slow  # a spawned interpreter imports torch: about 10 s
+def test_benchmark_measures_in_a_fresh_process(tmp_path):
+    pickle_path, store_path = make_synthetic_proposals(tmp_path, 20, 5)
+    result = in_fresh_process(measure_access, "store", str(store_path), 10, 50)
+    assert result.reads == 10 and result.baseline.rss > 0
+    with pytest.raises(RuntimeError, match="benchmark process failed"):
+        in_fresh_process(measure_access, "store", str(tmp_path / "nope.proposals"), 10, 50)
