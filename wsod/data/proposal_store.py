@@ -18,9 +18,9 @@ Ids keep their types (VOC's ``"2008_000008"`` stays a string, COCO's ``139`` an 
 through ``proposal_key`` like a ``ProposalSet``'s. ``ProposalStore`` is a ``ProposalSet``: lookups give
 read-only float32 ``(R, 4)`` arrays (views into the mapping for float32 stores, small copies for float16),
 so ``WeakDetectionDataset`` takes a store path wherever it takes a pickle. The id -> index dict is
-built at the first lookup (about 10 MB for 120k ids). Pickling a store (spawned data-loader workers,
-DDP) pickles its path: the receiving process maps the same file again, and refuses a store that was
-rewritten in between (the manifest's uuid differs).
+built at the first lookup (with the id list, 13 MB for 120k integer ids, 20 MB for VOC-style string
+ids). Pickling a store (spawned data-loader workers, DDP) pickles its path: the receiving process maps
+the same file again, and refuses a store that was rewritten in between (the manifest's uuid differs).
 
 float16 halves the file. It stores integers exactly up to 2048 and rounds other coordinates to a
 spacing of 1/2 px below 1024, 1 px up to 2048 and 2 px up to 4096; Selective Search boxes are integers,
