@@ -7,10 +7,13 @@
         --images data/coco/val2017 --output data/proposals/ss_coco_val2017.pkl
     python tools/make_proposals.py voc ... --proposals data/proposals/given.pkl    # recall of a file only
     python tools/make_proposals.py convert SelectiveSearchVOC2007trainval.mat voc_2007_trainval.pkl
+    python tools/make_proposals.py convert ss_coco_train2017.pkl ss_coco_train2017.proposals  # mmap store
 
 Generation is resumable: rerun the same command after an interruption. Wherever the dataset has
 ground-truth boxes, recall at IoU 0.5 and 0.7 versus the number of proposals is printed and plotted
-(``--recall-plot``, default next to the output file).
+(``--recall-plot``, default next to the output file). An output or destination ending with
+``.proposals`` is a memory-mapped proposal store (``wsod.data.proposal_store``): one copy of the boxes in
+the page cache for all training processes instead of one unpickled copy per process.
 """
 
 from __future__ import annotations
@@ -22,6 +25,7 @@ from pathlib import Path
 
 from wsod.data.coco import load_coco_records
 from wsod.data.proposal_recall import format_recall_table, plot_recall, records_recall
+from wsod.data.proposal_store import STORE_DTYPES
 from wsod.data.proposals import convert_proposals, load_proposals
 from wsod.data.selective_search import MODES, generate_proposals
 from wsod.data.toy import ensure_toy_dataset
@@ -29,7 +33,11 @@ from wsod.data.voc import VOC_CLASSES, load_voc_records
 
 
 def _add_generation_options(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--output", type=Path, help="proposal pickle to write (required unless --proposals)")
+    parser.add_argument(
+        "--output",
+        type=Path,
+        help="proposal pickle, or .proposals store, to write (required unless --proposals)",
+    )
     parser.add_argument("--proposals", type=Path, help="report the recall of this file instead of generating")
     parser.add_argument("--workers", type=int, default=2, help="worker processes (default 2)")
     parser.add_argument("--shard-size", type=int, default=25, help="images per resumable shard")
@@ -67,11 +75,19 @@ def _parser() -> argparse.ArgumentParser:
     toy.add_argument("--split", default="test", choices=("trainval", "train", "val", "test"))
     for sub in (voc, coco, toy):
         _add_generation_options(sub)
-    convert = commands.add_parser("convert", help="convert a proposal file (.pkl <-> .mat) by suffix")
+    convert = commands.add_parser(
+        "convert", help="convert a proposal file (.pkl, .mat, .proposals store) by suffix"
+    )
     convert.add_argument("source", type=Path)
     convert.add_argument("destination", type=Path)
     convert.add_argument("--mat-order", choices=("yxyx", "xyxy"), default="yxyx", help="box order in .mat")
     convert.add_argument("--mat-zero-based", action="store_true", help=".mat boxes are 0-based")
+    convert.add_argument(
+        "--dtype",
+        choices=STORE_DTYPES,
+        default="float32",
+        help="box dtype of a .proposals destination (float16: half the size, see wsod.data.proposal_store)",
+    )
     return parser
 
 
@@ -90,7 +106,11 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     if args.command == "convert":
         proposals = convert_proposals(
-            args.source, args.destination, box_order=args.mat_order, one_based=not args.mat_zero_based
+            args.source,
+            args.destination,
+            box_order=args.mat_order,
+            one_based=not args.mat_zero_based,
+            dtype=args.dtype,
         )
         print(
             f"converted {len(proposals)} images ({proposals.num_boxes} boxes):"

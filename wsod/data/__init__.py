@@ -8,6 +8,7 @@ foreground classes 0..C-1; ground-truth labels index the same classes.
 from wsod.data.coco import CocoDataset
 from wsod.data.dataset import ConcatWeakDataset, ImageRecord, WeakDetectionDataset
 from wsod.data.loader import build_test_loader, build_train_loader, collate, infinite_batches, model_inputs
+from wsod.data.proposal_store import ProposalStore
 from wsod.data.proposals import (
     MissingProposalsError,
     ProposalSet,
@@ -26,6 +27,7 @@ __all__ = [
     "ImageRecord",
     "MissingProposalsError",
     "ProposalSet",
+    "ProposalStore",
     "TOY_CLASSES",
     "ToyDataset",
     "VOCDataset",

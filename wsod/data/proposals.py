@@ -14,6 +14,9 @@ Formats:
   1-based inclusive by default (``box_order="yxyx", one_based=True``): the stored row
   ``[11, 21, 51, 81]`` is the wsod box ``[20, 10, 80, 50]``. Both are arguments, for releases that differ.
   MATLAB v7.3 (HDF5) files cannot be read by scipy; re-save them with ``save(..., '-v7')``.
+- Proposal stores (a ``<name>.proposals`` directory): memory-mapped, for sets too large to hold in every
+  process's RAM; see ``wsod.data.proposal_store``. ``load_proposals`` opens them as a ``ProposalStore``,
+  a ``ProposalSet`` whose boxes stay on disk (in the page cache, shared by all processes).
 
 Image ids are matched after ``proposal_key``: a numeric id, or a string of digits and underscores, is
 compared as an integer. Reference VOC pickles store ``000005`` as ``5`` and ``2008_000008`` as
@@ -112,18 +115,59 @@ class ProposalSet:
                 f"{source}: {len(image_ids)} image ids, {len(boxes)} box arrays and"
                 f" {None if scores is None else len(scores)} score arrays; they must match"
             )
-        self.source = str(source)
-        self.image_ids = list(image_ids)
         arrays = [_as_boxes(b, image_id, source) for b, image_id in zip(boxes, image_ids, strict=True)]
         counts = np.array([len(b) for b in arrays], dtype=np.int64)
-        self._offsets = np.concatenate([[0], np.cumsum(counts)])
-        self._boxes = np.concatenate(arrays) if arrays else np.zeros((0, 4), np.float32)
-        self._scores = None
+        offsets = np.concatenate([[0], np.cumsum(counts)]).astype(np.int64)
+        flat = np.concatenate(arrays) if arrays else np.zeros((0, 4), np.float32)
+        flat_scores = None
         if scores is not None:
             score_arrays = [np.asarray(s, dtype=np.float32).reshape(-1) for s in scores]
             if any(len(s) != n for s, n in zip(score_arrays, counts, strict=True)):
                 raise ValueError(f"{source}: some images have a different number of scores and boxes")
-            self._scores = np.concatenate(score_arrays) if score_arrays else np.zeros(0, np.float32)
+            flat_scores = np.concatenate(score_arrays) if score_arrays else np.zeros(0, np.float32)
+        self._set_flat(image_ids, flat, offsets, flat_scores, source)
+
+    @classmethod
+    def from_flat(
+        cls,
+        image_ids: Sequence[ImageId],
+        boxes: np.ndarray,
+        offsets: np.ndarray,
+        scores: np.ndarray | None = None,
+        *,
+        source: str = "<memory>",
+    ) -> ProposalSet:
+        """The proposals of N images from one float32 ``(M, 4)`` box array, without copying it: image
+        ``i`` owns rows ``offsets[i]:offsets[i + 1]`` (``offsets``: N + 1 non-decreasing, 0 to M)."""
+        boxes, offsets = np.asarray(boxes), np.asarray(offsets, dtype=np.int64)
+        if boxes.dtype != np.float32 or boxes.ndim != 2 or boxes.shape[1] != 4:
+            raise ValueError(f"{source}: boxes must be float32 (M, 4), got {boxes.dtype} {boxes.shape}")
+        if (
+            offsets.shape != (len(image_ids) + 1,)
+            or offsets[0] != 0
+            or offsets[-1] != len(boxes)
+            or np.any(np.diff(offsets) < 0)
+        ):
+            raise ValueError(
+                f"{source}: offsets must be {len(image_ids) + 1} non-decreasing values from 0 to {len(boxes)}"
+            )
+        if scores is not None and np.shape(scores) != (len(boxes),):
+            raise ValueError(f"{source}: scores of shape {np.shape(scores)}; expected ({len(boxes)},)")
+        proposals = cls.__new__(cls)
+        proposals._set_flat(image_ids, boxes, offsets, scores, source)
+        return proposals
+
+    def _set_flat(
+        self,
+        image_ids: Sequence[ImageId],
+        boxes: np.ndarray,
+        offsets: np.ndarray,
+        scores: np.ndarray | None,
+        source: str,
+    ) -> None:
+        self.source = str(source)
+        self.image_ids = list(image_ids)
+        self._boxes, self._offsets, self._scores = boxes, offsets, scores
         self._index: dict[ImageId, int] = {}
         for i, image_id in enumerate(self.image_ids):
             key = proposal_key(image_id)
@@ -302,8 +346,22 @@ def write_proposal_mat(
         scipy.io.savemat(f, {"boxes": boxes, "images": images})
 
 
+def _unknown_type(path: str | os.PathLike) -> ValueError:
+    return ValueError(
+        f"{path}: unknown proposal file type; expected one of {PICKLE_SUFFIXES + MAT_SUFFIXES}"
+        " or a '.proposals' store"
+    )
+
+
 def load_proposals(path: str | os.PathLike, **mat_options) -> ProposalSet:
-    """Read a proposal file by its suffix; ``mat_options`` go to ``read_proposal_mat``."""
+    """Read a proposal file by its suffix, or open a ``.proposals`` store (memory-mapped);
+    ``mat_options`` go to ``read_proposal_mat``."""
+    from wsod.data.proposal_store import ProposalStore, is_store_path  # it imports this module
+
+    if is_store_path(path):
+        store = ProposalStore(path)
+        logger.info("opened proposal store %s: %d boxes for %d images", path, store.num_boxes, len(store))
+        return store
     suffix = Path(path).suffix.lower()
     if not Path(path).is_file():
         raise FileNotFoundError(f"proposal file not found: {path}")
@@ -312,24 +370,27 @@ def load_proposals(path: str | os.PathLike, **mat_options) -> ProposalSet:
     elif suffix in MAT_SUFFIXES:
         proposals = read_proposal_mat(path, **mat_options)
     else:
-        raise ValueError(
-            f"{path}: unknown proposal file type; expected one of {PICKLE_SUFFIXES + MAT_SUFFIXES}"
-        )
+        raise _unknown_type(path)
     logger.info("read %d boxes for %d images from %s", proposals.num_boxes, len(proposals), path)
     return proposals
 
 
-def save_proposals(proposals: ProposalSet, path: str | os.PathLike, **mat_options) -> None:
-    """Write a proposal file in the format its suffix names; ``mat_options`` go to ``write_proposal_mat``."""
+def save_proposals(
+    proposals: ProposalSet, path: str | os.PathLike, *, dtype: str = "float32", **mat_options
+) -> None:
+    """Write a proposal file in the format its suffix names (``.proposals``: a store with boxes of
+    ``dtype``, float32 or float16); ``mat_options`` go to ``write_proposal_mat``."""
+    from wsod.data.proposal_store import is_store_path, write_proposal_store
+
     suffix = Path(path).suffix.lower()
-    if suffix in PICKLE_SUFFIXES:
+    if is_store_path(path):
+        write_proposal_store(proposals, path, dtype=dtype)
+    elif suffix in PICKLE_SUFFIXES:
         write_proposal_pickle(proposals, path)
     elif suffix in MAT_SUFFIXES:
         write_proposal_mat(proposals, path, **mat_options)
     else:
-        raise ValueError(
-            f"{path}: unknown proposal file type; expected one of {PICKLE_SUFFIXES + MAT_SUFFIXES}"
-        )
+        raise _unknown_type(path)
 
 
 def convert_proposals(
@@ -338,11 +399,14 @@ def convert_proposals(
     *,
     box_order: str = "yxyx",
     one_based: bool = True,
+    dtype: str = "float32",
 ) -> ProposalSet:
-    """Convert between proposal formats by file suffix (e.g. a ``.mat`` release -> reference ``.pkl``).
+    """Convert between proposal formats by file suffix (e.g. a ``.mat`` release -> reference ``.pkl``,
+    or a ``.pkl`` -> a memory-mapped ``.proposals`` store).
 
-    ``box_order`` and ``one_based`` describe whichever side is a ``.mat`` file.
+    ``box_order`` and ``one_based`` describe whichever side is a ``.mat`` file; ``dtype`` (float32 or
+    float16) the boxes of a ``.proposals`` destination.
     """
     proposals = load_proposals(source, box_order=box_order, one_based=one_based)
-    save_proposals(proposals, destination, box_order=box_order, one_based=one_based)
+    save_proposals(proposals, destination, dtype=dtype, box_order=box_order, one_based=one_based)
     return proposals

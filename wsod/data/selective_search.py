@@ -1,8 +1,10 @@
-"""Selective Search proposals (OpenCV contrib) over a dataset: parallel, resumable, reference pickle out.
+"""Selective Search proposals (OpenCV contrib) over a dataset: parallel, resumable, reference pickle (or
+memory-mapped ``.proposals`` store, ``wsod.data.proposal_store``) out.
 
 Work is cut into shards of consecutive images. Each worker process writes a finished shard to
 ``{output}.parts/shard_XXXXX.pkl`` atomically; a rerun after an interruption skips the shards that
-exist and the final file is the merge of all shards in dataset order. ``{output}.parts/manifest.json``
+exist and the final file is the merge of all shards in dataset order: a reference pickle, or a proposal
+store when ``output`` ends with ``.proposals``. ``{output}.parts/manifest.json``
 records the image list and settings, so parts from a different run are refused instead of mixed in.
 
 Boxes are filtered as at load time (``wsod.data.proposals.filter_proposals``) and keep Selective
@@ -35,6 +37,7 @@ from tqdm import tqdm
 
 from wsod.atomic import atomic_write
 from wsod.data.box_formats import opencv_rects_to_xyxy
+from wsod.data.proposal_store import is_store_path, write_proposal_store
 from wsod.data.proposals import ProposalSet, filter_proposals, write_proposal_pickle
 
 __all__ = ["selective_search", "generate_proposals", "GenerationStats"]
@@ -155,7 +158,8 @@ def generate_proposals(
     progress: bool = True,
     keep_parts: bool = False,
 ) -> tuple[ProposalSet, GenerationStats]:
-    """Selective Search over ``images`` ((image id, path) pairs) -> reference pickle at ``output``.
+    """Selective Search over ``images`` ((image id, path) pairs) -> reference pickle at ``output``, or a
+    float32 proposal store when ``output`` ends with ``.proposals``.
 
     Resumable (see the module docstring). ``workers`` processes run shards of ``shard_size`` images;
     ``workers`` <= 1 runs them in this process. ``top_k`` caps the boxes kept per image, after the
@@ -211,7 +215,10 @@ def generate_proposals(
         merged["ids"] += shard["ids"]
         merged["boxes"] += shard["boxes"]
     proposals = ProposalSet(merged["ids"], merged["boxes"], source=str(output))
-    write_proposal_pickle(proposals, output)
+    if is_store_path(output):
+        write_proposal_store(proposals, output)
+    else:
+        write_proposal_pickle(proposals, output)
     if not keep_parts:
         shutil.rmtree(parts)
     stats = GenerationStats(processed, compute, wall)
