@@ -140,7 +140,13 @@ def _recipe_keys(cfg) -> set[str]:
     settings of the data (not file locations, worker counts or the evaluation batch size), the seed."""
 
     def leaves(node, prefix, skip=()):
-        return {f"{prefix}.{key}" for key in node if key not in skip}
+        keys = set()
+        for key in node:
+            if key in skip:
+                continue
+            value = node[key]
+            keys |= leaves(value, f"{prefix}.{key}") if OmegaConf.is_dict(value) else {f"{prefix}.{key}"}
+        return keys
 
     return {
         "seed",

@@ -85,8 +85,11 @@ def _final_weights(run_dir: Path) -> dict[str, torch.Tensor]:
     return torch.load(run_dir / "model_final.pth", weights_only=False)["model"]
 
 
-def test_resumed_run_reaches_the_same_weights(tiny_toy_root, tmp_path, caplog, monkeypatch):
-    extra = {"data.test.batch_size": 6, "random_baseline": "false"}
+@pytest.mark.parametrize("dropblock", [False, True], ids=["plain", "dropblock"])
+def test_resumed_run_reaches_the_same_weights(tiny_toy_root, tmp_path, caplog, monkeypatch, dropblock):
+    # With DropBlock the adversary's optimizer state is restored too, and its samples come from the
+    # restored RNG stream.
+    extra = {"data.test.batch_size": 6, "random_baseline": "false", "model.dropblock": str(dropblock).lower()}
     straight = tmp_path / "straight"
     train_from_config(_config(tiny_overrides(tiny_toy_root, straight, **extra)))
 
@@ -114,8 +117,12 @@ def test_resumed_run_reaches_the_same_weights(tiny_toy_root, tmp_path, caplog, m
     for name, value in reference.items():
         torch.testing.assert_close(ours[name], value, rtol=0, atol=0, msg=name)
     # The interrupted run really diverged from scratch: the weights moved between iterations 2 and 4.
-    two = torch.load(interrupted / "model_0000002.pth", weights_only=False)["model"]
-    assert any(not torch.equal(two[n], v) for n, v in reference.items() if v.is_floating_point())
+    two = torch.load(interrupted / "model_0000002.pth", weights_only=False)
+    assert any(not torch.equal(two["model"][n], v) for n, v in reference.items() if v.is_floating_point())
+    assert ("adversary" in two) == dropblock
+    if dropblock:  # the adversarial step moved the DropBlock between iterations 2 and 4
+        moved = [n for n, v in reference.items() if "dropblock" in n and not torch.equal(two["model"][n], v)]
+        assert moved
 
 
 def _losses(run_dir: Path) -> list[float]:

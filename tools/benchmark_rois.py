@@ -2,6 +2,7 @@
 
 Examples:
     python tools/benchmark_rois.py --model r50_c4 --rois 64,128,256 --strategies plain,paper,fused
+    python tools/benchmark_rois.py --model r50_c4 --rois 128,256 --strategies fused --dropblock
     python tools/benchmark_rois.py --device cuda --rois 500,1000,2000,4000 --chunk 250,500 \
         --dtypes fp32,bf16 --budget-gb 16 --out benchmark_out/h200
 
@@ -16,6 +17,7 @@ from pathlib import Path
 import torch
 
 from wsod.benchmarks.rois import (
+    DROPBLOCK_SUFFIX,
     MODELS,
     STRATEGIES,
     format_table,
@@ -26,6 +28,7 @@ from wsod.benchmarks.rois import (
     slopes,
     strategy_label,
     summarize,
+    with_dropblock,
     write_csv,
     write_markdown,
 )
@@ -57,12 +60,20 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--steps", type=int, default=3, help="timed steps per measurement (median reported)")
     parser.add_argument("--warmup", type=int, default=1, help="untimed steps before them")
     parser.add_argument("--threads", type=int, default=None, help="torch intra-op threads (CPU)")
+    parser.add_argument(
+        "--dropblock",
+        action="store_true",
+        help="also measure each strategy with Concrete DropBlock: its step adds the adversarial second"
+        " forward and backward (reported as '<strategy>+dropblock')",
+    )
     parser.add_argument("--out", type=Path, default=Path("benchmark_out"), help="output directory")
     args = parser.parse_args(argv)
     args.strategies = [s for s in args.strategies.split(",") if s]
     unknown = set(args.strategies) - set(STRATEGIES)
     if unknown:
         parser.error(f"unknown strategies {sorted(unknown)}; choose from {STRATEGIES}")
+    if args.dropblock:
+        args.strategies = [s + suffix for s in args.strategies for suffix in ("", DROPBLOCK_SUFFIX)]
     args.dtypes = [d for d in args.dtypes.split(",") if d]
     if set(args.dtypes) - {"fp32", "bf16"}:
         parser.error("--dtypes takes fp32 and/or bf16")
@@ -84,7 +95,7 @@ def main(argv: list[str] | None = None) -> None:
     runs = [
         (strategy, chunk, dtype == "bf16")
         for strategy in args.strategies
-        for chunk in (args.chunk if strategy in ("paper", "fused") else [None])
+        for chunk in (args.chunk if with_dropblock(strategy)[0] in ("paper", "fused") else [None])
         for dtype in args.dtypes
     ]
     measurements = []

@@ -16,6 +16,8 @@ from wsod.data.toy import ensure_toy_dataset
 from wsod.data.transforms import train_transform
 from wsod.data.voc import VOCDataset
 from wsod.distributed import main_process_first
+from wsod.engine.adversarial import DropBlockAdversary
+from wsod.engine.amp import resolve_amp
 from wsod.engine.checkpoint import load_checkpoint
 from wsod.engine.evaluate import Evaluator
 from wsod.engine.solver import build_optimizer as _build_optimizer
@@ -34,6 +36,7 @@ __all__ = [
     "build_test_dataset",
     "build_evaluator",
     "build_optimizer",
+    "build_adversary",
     "build_scheduler",
 ]
 
@@ -183,6 +186,8 @@ def build_evaluator(data_cfg: DictConfig, device: torch.device, progress: bool =
 
 
 def build_optimizer(solver_cfg: DictConfig, model: torch.nn.Module) -> torch.optim.Optimizer:
+    """The detector's optimizer; a DropBlock's parameters belong to the adversary's (``build_adversary``)."""
+    dropblock = getattr(model, "dropblock", None)
     return _build_optimizer(
         model,
         name=solver_cfg.optimizer,
@@ -191,7 +196,37 @@ def build_optimizer(solver_cfg: DictConfig, model: torch.nn.Module) -> torch.opt
         weight_decay=solver_cfg.weight_decay,
         bias_lr_factor=solver_cfg.bias_lr_factor,
         bias_weight_decay=solver_cfg.bias_weight_decay,
+        exclude=dropblock.parameters() if dropblock is not None else (),
     )
+
+
+def build_adversary(
+    solver_cfg: DictConfig, model: WeaklySupervisedDetector, device: torch.device
+) -> DropBlockAdversary | None:
+    """The adversarial DropBlock step (``solver.dropblock``) when the model has a DropBlock, else None.
+    Its schedule shares the detector's milestones (the reference's steps are the same)."""
+    if model.dropblock is None:
+        return None
+    settings = solver_cfg.dropblock
+    optimizer = _build_optimizer(
+        model.dropblock,
+        name="sgd",
+        lr=settings.lr,
+        momentum=settings.momentum,
+        weight_decay=settings.weight_decay,
+        bias_lr_factor=settings.bias_lr_factor,
+        bias_weight_decay=settings.bias_weight_decay,
+    )
+    scheduler = _build_scheduler(
+        optimizer,
+        milestones=list(solver_cfg.milestones),
+        gamma=settings.gamma,
+        warmup_iters=settings.warmup_iters,
+        warmup_factor=settings.warmup_factor,
+        momentum_rescale=solver_cfg.momentum_rescale,
+    )
+    amp = resolve_amp(solver_cfg.amp, device)
+    return DropBlockAdversary(model, optimizer, scheduler, weight=settings.weight, amp=amp, device=device)
 
 
 def build_scheduler(

@@ -132,6 +132,7 @@ TRAIN_RULES: dict[str, _Rule] = {
     "data.train.flip": _FLAG,
     "data.train.max_proposals": _integer(1, optional=True),
     "data.train.num_workers": _integer(0),
+    "data.train.lighting_std": _number(0),
     "model.backbone": _choice(*BACKBONES),
     "model.width": _number(0, above=True),
     "model.norm": _choice("frozen_bn", "bn", "gn"),
@@ -143,6 +144,8 @@ TRAIN_RULES: dict[str, _Rule] = {
     "model.test_chunk_size": _integer(1, optional=True),
     "model.fuse_pooling": _FLAG,
     "model.num_students": _integer(1),
+    "model.dropblock": _FLAG,
+    "model.dropblock_hidden": _integer(1, optional=True),
     "model.first_student_loss_weight": _number(0),
     "model.nms_iou": _number(0, 1),
     "model.detections_per_image": _integer(1),
@@ -165,6 +168,16 @@ TRAIN_RULES: dict[str, _Rule] = {
     "solver.warmup_iters": _integer(0),
     "solver.warmup_factor": _number(0, 1, above=True),
     "solver.amp": _choice(None, "bf16", "fp16"),
+    "solver.momentum_rescale": _FLAG,
+    "solver.dropblock.lr": _number(0, above=True),
+    "solver.dropblock.momentum": _number(0, 1),
+    "solver.dropblock.weight_decay": _number(0),
+    "solver.dropblock.bias_lr_factor": _number(0),
+    "solver.dropblock.bias_weight_decay": _number(0),
+    "solver.dropblock.gamma": _number(0, above=True),
+    "solver.dropblock.warmup_iters": _integer(0),
+    "solver.dropblock.warmup_factor": _number(0, 1, above=True),
+    "solver.dropblock.weight": _number(0),
 }
 
 EVAL_RULES: dict[str, _Rule] = {**_COMMON}

@@ -16,6 +16,7 @@ from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig, OmegaConf
 
 from wsod.build import (
+    build_adversary,
     build_evaluator,
     build_model,
     build_optimizer,
@@ -129,6 +130,7 @@ def _train_in(run_dir: Path, cfg: DictConfig, device: torch.device) -> dict[str,
         model = build_model(cfg.model, train_set.num_classes, cfg.method).to(device)
     optimizer = build_optimizer(cfg.solver, model)
     scheduler = build_scheduler(cfg.solver, optimizer)
+    adversary = build_adversary(cfg.solver, model, device)
     wrapped = model
     if get_world_size() > 1:
         wrapped = torch.nn.parallel.DistributedDataParallel(
@@ -149,7 +151,8 @@ def _train_in(run_dir: Path, cfg: DictConfig, device: torch.device) -> dict[str,
         max_iter=cfg.solver.max_iter, run_dir=run_dir, device=device, accumulation=cfg.solver.accumulation,
         amp=cfg.solver.amp, resume_from=resume_from, checkpoint_period=cfg.checkpoint_period,
         keep_checkpoints=cfg.keep_checkpoints, log_period=cfg.log_period, eval_period=cfg.eval_period,
-        evaluator=evaluator, max_nonfinite=cfg.max_nonfinite, progress=cfg.progress, metadata=metadata,
+        evaluator=evaluator, adversary=adversary, max_nonfinite=cfg.max_nonfinite, progress=cfg.progress,
+        metadata=metadata,
     )  # fmt: skip
 
     # model_final.pth is on disk: a failing evaluation loses no work, and says how to redo it alone.

@@ -74,3 +74,15 @@ def test_cuda_budget_passes_an_integer_device_index(monkeypatch):
     assert cap_cuda_memory(torch.device("cuda", 1), None) == torch.device("cuda", 1)
     assert calls == [(0.25, 3), (1.0, 1)]
     assert all(type(device) is int for _, device in calls)
+
+
+def test_dropblock_flag_measures_each_strategy_with_its_adversarial_step(tmp_path, capsys):
+    out = tmp_path / "bench"
+    _load_tool().main(
+        ["--model", "r18_c4", "--rois", "8", "--image-size", "96,128", "--strategies", "fused",
+         "--chunk", "4", "--steps", "1", "--warmup", "0", "--dropblock", "--out", str(out)]
+    )  # fmt: skip
+    with open(out / "results.csv") as handle:
+        rows = {r["strategy"]: r for r in csv.DictReader(handle)}
+    assert set(rows) == {"fused", "fused+dropblock"} and all(r["status"] == "ok" for r in rows.values())
+    assert "time ratio fused+dropblock (chunk 4) / without DropBlock at 8 ROIs" in capsys.readouterr().out

@@ -31,10 +31,14 @@ import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
+from wsod.engine.adversarial import DropBlockAdversary
+from wsod.engine.solver import build_scheduler
 from wsod.modeling.detector import WeaklySupervisedDetector, build_backbone, detector_from_backbone
 
 __all__ = [
     "STRATEGIES",
+    "DROPBLOCK_SUFFIX",
+    "with_dropblock",
     "MODELS",
     "Measurement",
     "build_benchmark_model",
@@ -54,6 +58,9 @@ __all__ = [
 ]
 
 STRATEGIES = ("plain", "checkpoint", "paper", "fused")
+DROPBLOCK_SUFFIX = "+dropblock"
+# The DropBlock scorer's hidden width per model, as its config (configs/model/*.yaml) sets it.
+DROPBLOCK_HIDDEN = {"r50_c4": 256, "r101_c4": 256}
 MODELS = {"r18_c4": "resnet18", "r50_c4": "resnet50", "r101_c4": "resnet101"}
 NUM_CLASSES = 20
 
@@ -87,10 +94,20 @@ class _CheckpointedNeck(nn.Module):
         return checkpoint(self.module, x, use_reentrant=False)
 
 
+def with_dropblock(strategy: str) -> tuple[str, bool]:
+    """``"fused+dropblock"`` -> ``("fused", True)``: a strategy measured with Concrete DropBlock, whose
+    training step is the detector's step plus the adversarial DropBlock step (a second forward and
+    backward of the same image)."""
+    base = strategy.removesuffix(DROPBLOCK_SUFFIX)
+    return base, base != strategy
+
+
 def build_benchmark_model(model: str, strategy: str, chunk: int | None) -> WeaklySupervisedDetector:
-    """The detector for one strategy: ``model`` in MODELS, random weights, 20 classes."""
+    """The detector for one strategy (optionally ``+dropblock``): ``model`` in MODELS, random weights,
+    20 classes."""
     if model not in MODELS:
         raise ValueError(f"unknown model '{model}': expected one of {sorted(MODELS)}")
+    strategy, dropblock = with_dropblock(strategy)
     if strategy not in STRATEGIES:
         raise ValueError(f"unknown strategy '{strategy}': expected one of {STRATEGIES}")
     backbone = build_backbone(MODELS[model])
@@ -102,7 +119,21 @@ def build_benchmark_model(model: str, strategy: str, chunk: int | None) -> Weakl
         NUM_CLASSES,
         chunk_size=chunk if sequential else None,
         fuse_pooling=strategy != "paper",
+        dropblock=dropblock,
+        dropblock_hidden=DROPBLOCK_HIDDEN.get(model),
     )
+
+
+def _optimizers(model: WeaklySupervisedDetector) -> tuple[torch.optim.Optimizer, DropBlockAdversary | None]:
+    """The detector's SGD and, with a DropBlock, the adversary with the reference's settings."""
+    dropblock = list(model.dropblock.parameters()) if model.dropblock is not None else []
+    detector_params = [p for p in model.parameters() if all(p is not q for q in dropblock)]
+    optimizer = torch.optim.SGD(detector_params, lr=1e-4, momentum=0.9)
+    if not dropblock:
+        return optimizer, None
+    dropblock_optimizer = torch.optim.SGD(dropblock, lr=1e-4, momentum=0.9, weight_decay=1e-4)
+    scheduler = build_scheduler(dropblock_optimizer, milestones=[])
+    return optimizer, DropBlockAdversary(model, dropblock_optimizer, scheduler)
 
 
 def synthetic_batch(
@@ -123,13 +154,22 @@ def synthetic_batch(
     }
 
 
-def _training_step(model: nn.Module, optimizer: torch.optim.Optimizer, batch: dict, amp: bool) -> None:
+def _training_step(
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer,
+    batch: dict,
+    amp: bool,
+    adversary: DropBlockAdversary | None = None,
+) -> None:
     device_type = batch["images"].device.type
     with torch.autocast(device_type, dtype=torch.bfloat16, enabled=amp):
         losses = model(**batch)
     optimizer.zero_grad(set_to_none=True)
     sum(losses.values()).backward()
     optimizer.step()
+    if adversary is not None:
+        with torch.autocast(device_type, dtype=torch.bfloat16, enabled=amp):
+            adversary.step([batch])
 
 
 def _synchronize(device: torch.device) -> None:
@@ -164,7 +204,7 @@ def _run_measurement(
         device = cap_cuda_memory(device, memory_limit_mb)
     torch.manual_seed(0)
     model = build_benchmark_model(model_name, strategy, chunk).to(device).train()
-    optimizer = torch.optim.SGD(model.parameters(), lr=1e-4, momentum=0.9)
+    optimizer, adversary = _optimizers(model)
     batch = synthetic_batch(image_size, rois, device)
     if device.type == "cuda":
         _synchronize(device)
@@ -178,17 +218,17 @@ def _run_measurement(
         for step in range(warmup + steps):
             _synchronize(device)
             start = time.perf_counter()
-            _training_step(model, optimizer, batch, amp)
+            _training_step(model, optimizer, batch, amp, adversary)
             _synchronize(device)
             if step >= warmup:
                 times.append(time.perf_counter() - start)
     except torch.cuda.OutOfMemoryError:  # the CUDA name: present in every torch this package supports
-        del model, optimizer, batch
+        del model, optimizer, adversary, batch
         torch.cuda.empty_cache()
         return math.nan, math.nan, baseline, "oom"
     if device.type == "cuda":
         peak = torch.cuda.max_memory_allocated(device) / 2**20 - baseline
-        del model, optimizer, batch
+        del model, optimizer, adversary, batch
         torch.cuda.empty_cache()
     else:
         peak = _peak_rss_mb() - baseline
@@ -271,7 +311,7 @@ def measure(
     peak, step_ms, baseline, status = result
     return Measurement(
         strategy=strategy,
-        chunk=chunk if strategy in ("paper", "fused") else None,
+        chunk=chunk if with_dropblock(strategy)[0] in ("paper", "fused") else None,
         rois=rois,
         peak_mb=round(peak, 1),
         step_ms=round(step_ms, 1),
@@ -412,6 +452,13 @@ def summarize(measurements: Sequence[Measurement]) -> list[str]:
         if m.strategy != "plain" and m.status == "ok" and (m.dtype, m.rois) in plain_ms:
             ratio = m.step_ms / plain_ms[(m.dtype, m.rois)]
             lines.append(f"- time ratio {_label_of(m)} / plain at {m.rois} ROIs {m.dtype}: {ratio:.2f}")
+    step_ms = {(m.strategy, m.chunk, m.dtype, m.rois): m.step_ms for m in measurements if m.status == "ok"}
+    for m in measurements:
+        base, dropblock = with_dropblock(m.strategy)
+        key = (base, m.chunk, m.dtype, m.rois)
+        if dropblock and m.status == "ok" and key in step_ms:
+            ratio = m.step_ms / step_ms[key]
+            lines.append(f"- time ratio {_label_of(m)} / without DropBlock at {m.rois} ROIs: {ratio:.2f}")
     return lines
 
 

@@ -8,13 +8,14 @@ scheduler step happens every N batches, so the recipe's iteration numbers keep t
 from __future__ import annotations
 
 import bisect
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 
 import torch
 from torch import nn
 
 __all__ = [
     "param_groups",
+    "load_optimizer_state",
     "build_optimizer",
     "WarmupMultiStep",
     "WarmupMultiStepLR",
@@ -35,17 +36,30 @@ def param_groups(
     weight_decay: float,
     bias_lr_factor: float = 2.0,
     bias_weight_decay: float = 0.0,
+    exclude: Iterable[nn.Parameter] = (),
 ) -> list[dict]:
     """Trainable parameters split into weights and biases: biases get ``bias_lr_factor`` x lr and
-    ``bias_weight_decay`` (the reference recipe: lr x2, no decay)."""
+    ``bias_weight_decay`` (the reference recipe: lr x2, no decay). ``exclude``: parameters another
+    optimizer owns (the DropBlock scorer, trained by its adversarial step)."""
+    excluded = {id(p) for p in exclude}
     weights, biases = [], []
     for name, p in model.named_parameters():
-        if p.requires_grad:
+        if p.requires_grad and id(p) not in excluded:
             (biases if name.endswith(".bias") else weights).append(p)
     groups = [{"params": weights, "lr": lr, "weight_decay": weight_decay}]
     if biases:
         groups.append({"params": biases, "lr": lr * bias_lr_factor, "weight_decay": bias_weight_decay})
     return groups
+
+
+def load_optimizer_state(optimizer: torch.optim.Optimizer, saved: dict) -> None:
+    """Restore an optimizer's state (momentum buffers, Adam moments) but keep the hyperparameters it was
+    built with (lr, momentum, weight decay...): on a resume the run's current config is the one in
+    effect, and a changed value must not be silently replaced by the checkpoint's."""
+    fresh = [{k: v for k, v in group.items() if k != "params"} for group in optimizer.param_groups]
+    optimizer.load_state_dict(saved)
+    for group, hyperparameters in zip(optimizer.param_groups, fresh, strict=True):
+        group.update(hyperparameters)
 
 
 def build_optimizer(
@@ -57,6 +71,7 @@ def build_optimizer(
     weight_decay: float = 1e-4,
     bias_lr_factor: float = 2.0,
     bias_weight_decay: float = 0.0,
+    exclude: Iterable[nn.Parameter] = (),
 ) -> torch.optim.Optimizer:
     """SGD with momentum (the paper's recipe) or AdamW (trains the from-scratch toy model faster)."""
     groups = param_groups(
@@ -65,6 +80,7 @@ def build_optimizer(
         weight_decay=weight_decay,
         bias_lr_factor=bias_lr_factor,
         bias_weight_decay=bias_weight_decay,
+        exclude=exclude,
     )
     if name == "sgd":
         return torch.optim.SGD(groups, lr=lr, momentum=momentum)

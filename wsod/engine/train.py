@@ -26,6 +26,7 @@ from tqdm.contrib.logging import logging_redirect_tqdm
 
 from wsod.data.loader import model_inputs
 from wsod.distributed import all_reduce_mean, is_main_process
+from wsod.engine.adversarial import DropBlockAdversary
 from wsod.engine.amp import autocast, resolve_amp
 from wsod.engine.checkpoint import (
     list_checkpoints,
@@ -36,7 +37,7 @@ from wsod.engine.checkpoint import (
 )
 from wsod.engine.evaluate import Evaluator
 from wsod.engine.run_log import RunLog
-from wsod.engine.solver import WarmupMultiStepLR
+from wsod.engine.solver import WarmupMultiStepLR, load_optimizer_state
 
 __all__ = ["train", "NonFiniteLossError"]
 
@@ -56,16 +57,6 @@ def _reduce_losses(losses: dict[str, torch.Tensor]) -> dict[str, float]:
     names = sorted(losses)
     values = all_reduce_mean(torch.stack([losses[n].detach().float() for n in names]))
     return dict(zip(names, values.tolist(), strict=True))
-
-
-def _load_optimizer_keeping_hyperparameters(optimizer: torch.optim.Optimizer, saved: dict[str, Any]) -> None:
-    """Restore the optimizer's state (momentum buffers, Adam moments) but keep the hyperparameters it was
-    built with (lr, momentum, weight decay...): on a resume the run's current config is the one in
-    effect, and a changed value must not be silently replaced by the checkpoint's."""
-    fresh = [{k: v for k, v in group.items() if k != "params"} for group in optimizer.param_groups]
-    optimizer.load_state_dict(saved)
-    for group, hyperparameters in zip(optimizer.param_groups, fresh, strict=True):
-        group.update(hyperparameters)
 
 
 def _recorded_best(path: Path) -> dict[str, Any] | None:
@@ -132,6 +123,7 @@ def train(
     log_period: int = 20,
     eval_period: int = 0,
     evaluator: Evaluator | None = None,
+    adversary: DropBlockAdversary | None = None,
     max_nonfinite: int = 10,
     progress: bool = True,
     metadata: dict[str, Any] | None = None,
@@ -154,6 +146,9 @@ def train(
         evaluator: called on every process (prediction is distributed) every ``eval_period`` steps
             before the last; the checkpoint with the highest value of its primary metric is kept as
             ``model_best.pth``. The final evaluation is the caller's, after ``model_final.pth`` exists.
+        adversary: the adversarial DropBlock step (``DropBlockAdversary``), run after every applied
+            detector step on the same batches; its optimizer state is checkpointed and its schedule
+            stepped with the detector's.
         max_nonfinite: abort after this many consecutive steps whose loss or gradient is not finite.
             Such a step is skipped: no parameter, buffer (BatchNorm statistics) or optimizer state
             changes; it is counted and logged. An update that makes a parameter non-finite stops the run
@@ -173,7 +168,7 @@ def train(
     if resume_from is not None:
         path, checkpoint = resume_from
         _unwrap(model).load_state_dict(checkpoint["model"])
-        _load_optimizer_keeping_hyperparameters(optimizer, checkpoint["optimizer"])
+        load_optimizer_state(optimizer, checkpoint["optimizer"])
         scaler.load_state_dict(checkpoint["scaler"])
         set_rng_state(checkpoint["rng"])
         state.update(checkpoint["trainer"])
@@ -181,6 +176,8 @@ def train(
         # The schedule is a function of the iteration: a freshly built one, placed at the restored
         # iteration, applies a changed schedule at once and equals the saved one otherwise.
         scheduler.place(state["iteration"])
+        if adversary is not None and "adversary" in checkpoint:
+            adversary.load_state_dict(checkpoint["adversary"], state["iteration"])
         logger.info("resumed from %s at iteration %d", path, state["iteration"])
 
     # On a resume, rows and events logged after the checkpoint's iteration are dropped: they repeat.
@@ -196,6 +193,7 @@ def train(
             "scaler": scaler.state_dict(),
             "rng": rng_state(),
             "trainer": dict(state),
+            **({"adversary": adversary.state_dict()} if adversary is not None else {}),
             "metadata": metadata or {},
         }
 
@@ -243,8 +241,11 @@ def train(
         while state["iteration"] < max_iter:
             buffers = _copy_buffers(model)  # restored if the step is skipped
             step_losses: dict[str, torch.Tensor] = {}
+            step_inputs = []  # kept for the adversarial DropBlock step
             for micro in range(accumulation):
                 inputs = model_inputs(next(batches), device)
+                if adversary is not None:
+                    step_inputs.append(inputs)
                 sync = micro == accumulation - 1 or not isinstance(model, nn.parallel.DistributedDataParallel)
                 with model.no_sync() if not sync else nullcontext(), autocast(device, amp):
                     losses = model(**inputs)
@@ -266,6 +267,8 @@ def train(
                 scaler.step(optimizer)
                 scaler.update()
                 _check_parameters(model, state["iteration"] + 1)
+                if adversary is not None:
+                    reduced["adversarial_loss"] = adversary.step(step_inputs)
             else:
                 consecutive_nonfinite += 1
                 state["skipped_steps"] += 1
@@ -276,6 +279,9 @@ def train(
                 )  # fmt: skip
             optimizer.zero_grad(set_to_none=True)
             lr = optimizer.param_groups[0]["lr"]  # the rate this step used, for the log
+            if adversary is not None:
+                reduced["dropblock_lr"] = adversary.lr
+                adversary.scheduler.step()
             scheduler.step()
             state["iteration"] += 1
             last_losses = reduced

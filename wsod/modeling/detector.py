@@ -28,6 +28,7 @@ from torchvision.ops import batched_nms, clip_boxes_to_image, remove_small_boxes
 
 from wsod.modeling.backbone import Backbone
 from wsod.modeling.box_coder import decode_boxes
+from wsod.modeling.dropblock import ConcreteDropBlock
 from wsod.modeling.mil import MILHead, mil_loss
 from wsod.modeling.refinement import MISTLabeler, PseudoLabeler, RefinementStudent, refinement_losses
 from wsod.modeling.resnet import resnet_c4_backbone
@@ -110,6 +111,11 @@ class WeaklySupervisedDetector(nn.Module):
         self.nms_iou = nms_iou
         self.score_threshold = score_threshold
         self.detections_per_image = detections_per_image
+
+    @property
+    def dropblock(self) -> nn.Module | None:
+        """The Concrete DropBlock on the pooled ROI features, or None (``roi_head.dropblock``)."""
+        return getattr(self.roi_head, "dropblock", None)
 
     @property
     def num_classes(self) -> int:
@@ -285,17 +291,24 @@ def detector_from_backbone(
     roi_size: int = 14,
     fuse_pooling: bool = True,
     num_students: int = 3,
+    dropblock: bool = False,
+    dropblock_hidden: int | None = None,
     **detector_options,
 ) -> WeaklySupervisedDetector:
     """The detector on a built ``Backbone``: ROI pooler at ``1 / backbone.stride``, the backbone's neck
     under sequential backprop (``RoIFeatureHead``), the MIL teacher and ``num_students`` students of
-    width ``backbone.feature_dim``. ``detector_options`` go to ``WeaklySupervisedDetector``."""
+    width ``backbone.feature_dim``. ``dropblock``: Concrete DropBlock on the pooled features
+    (``ConcreteDropBlock(backbone.channels, hidden_channels=dropblock_hidden)``), trained by the
+    adversarial step of ``wsod.engine.adversarial``. ``detector_options`` go to
+    ``WeaklySupervisedDetector``."""
+    block = ConcreteDropBlock(backbone.channels, hidden_channels=dropblock_hidden) if dropblock else None
     roi_head = RoIFeatureHead(
         build_roi_pooler(pooler, output_size=roi_size, spatial_scale=1 / backbone.stride),
         backbone.neck,
         chunk_size=chunk_size,
         inference_chunk_size=test_chunk_size,
         fuse_pooling=fuse_pooling,
+        dropblock=block,
     )
     return WeaklySupervisedDetector(
         base=backbone.base,
@@ -316,6 +329,8 @@ def build_detector(
     roi_size: int = 14,
     fuse_pooling: bool = True,
     num_students: int = 3,
+    dropblock: bool = False,
+    dropblock_hidden: int | None = None,
     labeler: PseudoLabeler | None = None,
     first_student_loss_weight: float = 3.0,
     nms_iou: float = 0.3,
@@ -327,9 +342,9 @@ def build_detector(
 
     ``backbone`` is a name of ``BACKBONES`` and ``backbone_options`` its builder's options (ResNet:
     ``width``, ``weights``, ``norm``, ``neck_norm``, ``freeze_at``; VGG16: ``weights``, ``freeze_at``,
-    with ``pooler="pool", roi_size=7``); see ``detector_from_backbone`` for
-    the ROI head (``chunk_size``, ``test_chunk_size``, ``pooler``, ``roi_size``, ``fuse_pooling``) and
-    ``WeaklySupervisedDetector`` for the rest.
+    with ``pooler="pool", roi_size=7``); see ``detector_from_backbone`` for the ROI head
+    (``chunk_size``, ``test_chunk_size``, ``pooler``, ``roi_size``, ``fuse_pooling``, ``dropblock``,
+    ``dropblock_hidden``) and ``WeaklySupervisedDetector`` for the rest.
     """
     return detector_from_backbone(
         build_backbone(backbone, **backbone_options),
@@ -340,6 +355,8 @@ def build_detector(
         roi_size=roi_size,
         fuse_pooling=fuse_pooling,
         num_students=num_students,
+        dropblock=dropblock,
+        dropblock_hidden=dropblock_hidden,
         labeler=labeler,
         first_student_loss_weight=first_student_loss_weight,
         nms_iou=nms_iou,

@@ -42,7 +42,10 @@ class ConcreteDropBlock(nn.Module):
             ``gamma = drop_rate / block_size**2`` is the largest seed probability, must be in [0, 1).
         block_size: odd side of the square grown around each seed.
         temperature: of the Gumbel-softmax relaxation whose gradient the straight-through sample uses.
-        hidden_channels: width of the scorer's hidden layer; default ``max(in_channels // 4, 8)``.
+        hidden_channels: width of the scorer's hidden layer; default ``in_channels`` (the reference's).
+            The scorer's 3x3 convolution costs ``9 * in_channels * hidden * S**2`` multiply-adds per
+            ROI: for ResNet C4's 1024 channels at 14 x 14 a full-width scorer would cost more than res5
+            itself, so the ResNet configs use 256 (docs/RECIPES.md).
 
     Forward: x (R, C, S, S) -> (R, C, S, S) in x's dtype. Training: ``x * keep * S**2 / sum(keep)``
     per ROI, keep (R, 1, S, S) in {0, 1}. Eval: ``x`` itself.
@@ -68,15 +71,18 @@ class ConcreteDropBlock(nn.Module):
         self.drop_rate = drop_rate
         self.block_size = block_size
         self.temperature = temperature
-        hidden = hidden_channels or max(in_channels // 4, 8)
-        # Output channel 0 is the drop score; channel 1 is unused, as in the reference's scorer.
+        hidden = hidden_channels or in_channels
+        # The reference's residual scorer: conv3x3 - norm - ReLU - conv3x3 - norm, plus a 1x1 shortcut,
+        # without biases (the norms' affine parameters are the biases). Output channel 0 is the drop
+        # score; channel 1 is unused, as in the reference.
         self.scorer = nn.Sequential(
-            nn.Conv2d(in_channels, hidden, 3, padding=1, bias=False),  # GroupNorm's affine is the bias
+            nn.Conv2d(in_channels, hidden, 3, padding=1, bias=False),
             make_norm_layer("gn")(hidden),  # per-ROI GroupNorm, up to 32 groups
             nn.ReLU(inplace=True),
-            nn.Conv2d(hidden, 2, 3, padding=1),
+            nn.Conv2d(hidden, 2, 3, padding=1, bias=False),
+            nn.GroupNorm(2, 2),  # each score map normalised over its ROI's locations
         )
-        self.shortcut = nn.Conv2d(in_channels, 2, 1)
+        self.shortcut = nn.Conv2d(in_channels, 2, 1, bias=False)
 
     def extra_repr(self) -> str:
         return f"drop_rate={self.drop_rate}, block_size={self.block_size}, temperature={self.temperature}"

@@ -36,16 +36,19 @@ def build_roi_pooler(
 
 
 class _NeckWithPooling(nn.Module):
-    """(optional pooler) -> neck -> (R, D). One sample per ROI."""
+    """(optional pooler) -> (optional DropBlock) -> neck -> (R, D). One sample per ROI."""
 
-    def __init__(self, pooler: nn.Module | None, neck: nn.Module) -> None:
+    def __init__(self, pooler: nn.Module | None, neck: nn.Module, dropblock: nn.Module | None = None) -> None:
         super().__init__()
         self.pooler = pooler
+        self.dropblock = dropblock
         self.neck = neck
 
     def forward(self, features: Tensor, rois: Tensor | None = None) -> Tensor:
         # With a pooler: features (B, C4, H, W) shared, rois (R, 5) split; else features = pooled (R, ...).
         x = self.pooler(features, rois) if self.pooler is not None else features
+        if self.dropblock is not None:
+            x = self.dropblock(x)  # inside the recomputed region: its samples are replayed
         return self.neck(x)
 
 
@@ -61,6 +64,9 @@ class RoIFeatureHead(nn.Module):
             ``chunk_size``. Without a graph a chunk costs only its transient activations, so this can be
             several times ``chunk_size``.
         fuse_pooling: recompute the pooling together with the neck (see the module docstring).
+        dropblock: applied to the pooled features before the neck, e.g. ``ConcreteDropBlock``; it runs
+            inside the sequentially back-propagated region, so its random samples are replayed in the
+            recompute, and it must treat ROIs independently (ConcreteDropBlock does).
     """
 
     def __init__(
@@ -71,16 +77,23 @@ class RoIFeatureHead(nn.Module):
         chunk_size: int | None = 256,
         inference_chunk_size: int | None = None,
         fuse_pooling: bool = True,
+        dropblock: nn.Module | None = None,
     ) -> None:
         super().__init__()
         self.fuse_pooling = fuse_pooling
         chunks = dict(chunk_size=chunk_size, inference_chunk_size=inference_chunk_size)
         if fuse_pooling:
             self.pooler = None
-            self.body = SequentialBackprop(_NeckWithPooling(pooler, neck), **chunks, shared_inputs=(0,))
+            body = _NeckWithPooling(pooler, neck, dropblock)
+            self.body = SequentialBackprop(body, **chunks, shared_inputs=(0,))
         else:
             self.pooler = pooler
-            self.body = SequentialBackprop(_NeckWithPooling(None, neck), **chunks)
+            self.body = SequentialBackprop(_NeckWithPooling(None, neck, dropblock), **chunks)
+
+    @property
+    def dropblock(self) -> nn.Module | None:
+        """The DropBlock module inside the recomputed region, or None."""
+        return self.body.module.dropblock
 
     def forward(self, features: Tensor, rois: Tensor) -> Tensor:
         """features (B, C, H, W), rois (R, 5) as (batch index, x1, y1, x2, y2) in input pixels ->

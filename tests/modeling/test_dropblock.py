@@ -25,7 +25,7 @@ def _max_rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
 def _saturated(block: ConcreteDropBlock) -> ConcreteDropBlock:
     """Push sigmoid(drop score) to 1 everywhere, so that every location's seed probability is gamma."""
     with torch.no_grad():
-        block.shortcut.bias[0] = 100.0
+        block.scorer[-1].bias[0] = 100.0  # the last GroupNorm's shift of the drop score
     return block
 
 
