@@ -171,9 +171,12 @@ def build_test_dataset(data_cfg: DictConfig) -> WeakDetectionDataset:
     return _open(data_cfg, test.set, transform=None, max_proposals=test.max_proposals, drop_unlabelled=False)
 
 
-def build_evaluator(data_cfg: DictConfig, device: torch.device, progress: bool = True) -> Evaluator:
+def build_evaluator(
+    data_cfg: DictConfig, device: torch.device, progress: bool = True, random_baseline: bool = False
+) -> Evaluator:
     """The test set of ``data.test`` and its evaluation settings (views, precision, metric): the same
-    for evaluation during training and for tools/eval.py."""
+    for evaluation during training and for tools/eval.py. ``random_baseline``: every evaluation also
+    reports the chance level (``Evaluator``)."""
     test = data_cfg.test
     return Evaluator(
         build_test_dataset(data_cfg),
@@ -186,6 +189,7 @@ def build_evaluator(data_cfg: DictConfig, device: torch.device, progress: bool =
         metric=test.metric,
         device=device,
         progress=progress,
+        random_baseline=random_baseline,
     )
 
 
