@@ -14,7 +14,7 @@ from hydra.errors import ConfigCompositionException
 from omegaconf import OmegaConf
 
 from wsod.build import LABELERS, build_labeler, build_model
-from wsod.config_checks import TRAIN_RULES, ConfigError, check_config
+from wsod.config_checks import PREDICT_RULES, TRAIN_RULES, ConfigError, check_config, flatten
 from wsod.engine.inference import tta_views
 
 CONFIGS = Path(__file__).resolve().parents[1] / "configs"
@@ -119,6 +119,15 @@ def test_the_folder_config_is_small_data_sized_and_needs_only_its_root():
         check_config(_compose("train", bad), TRAIN_RULES)
     assert "data.classes=['cat', 'cat']: expected null or a list of distinct class names" in str(error.value)
     assert "data.test.set.split='val': expected one of train, test" in str(error.value)
+
+
+def test_predict_config_needs_a_checkpoint_and_an_input_and_checks_every_key():
+    cfg = _compose("predict", ["checkpoint=runs/r/model_final.pth", "input=photos"])
+    check_config(cfg, PREDICT_RULES)
+    assert cfg.score_threshold == 0.3 and cfg.proposals is None and cfg.scales is None
+    assert set(flatten(cfg)) == set(PREDICT_RULES)  # every key has its rule
+    with pytest.raises(ConfigCompositionException):
+        _compose("predict", ["checkpoint=x", "input=y", "treshold=0.5"])
 
 
 def test_a_mistyped_override_is_an_error():

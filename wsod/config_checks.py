@@ -22,6 +22,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from wsod.build import LABELERS
 from wsod.data.folder import SPLITS as FOLDER_SPLITS
+from wsod.data.selective_search import MODES as SELECTIVE_SEARCH_MODES
 from wsod.engine.evaluate import METRICS
 from wsod.modeling.detector import BACKBONES
 
@@ -32,6 +33,7 @@ __all__ = [
     "flatten",
     "TRAIN_RULES",
     "EVAL_RULES",
+    "PREDICT_RULES",
 ]
 
 
@@ -89,6 +91,10 @@ _FLAG = _Rule(lambda v: isinstance(v, bool), "true or false")
 def _path(example: str) -> _Rule:
     """A path given as a string (not the ``???`` of a required key left out)."""
     return _Rule(lambda v: isinstance(v, str) and v.strip() not in ("", "???"), f"a path, e.g. {example}")
+
+
+def _optional_path(expected: str) -> _Rule:
+    return _Rule(lambda v: v is None or _path("").accepts(v), expected)
 
 
 _CLASSES = _Rule(
@@ -208,6 +214,21 @@ TRAIN_RULES: dict[str, _Rule] = {
 }
 
 EVAL_RULES: dict[str, _Rule] = {**_COMMON}
+
+PREDICT_RULES: dict[str, _Rule] = {
+    "device": _COMMON["device"],
+    "threads": _COMMON["threads"],
+    "progress": _FLAG,
+    "checkpoint": _path("checkpoint=runs/my_run/model_final.pth"),
+    "input": _path("input=data/my_images/images"),
+    "output": _optional_path("null or a folder, e.g. runs/my_predictions"),
+    "score_threshold": _number(0, 1),
+    "proposals": _optional_path("null or a proposal file or store"),
+    "selective_search": _choice(*SELECTIVE_SEARCH_MODES),
+    "max_proposals": _integer(1, optional=True),
+    "scales": _Rule(lambda v: v is None or _SCALES.accepts(v), "null or " + _SCALES.expected),
+    "num_workers": _integer(0),
+}
 
 
 def flatten(node: Mapping[str, Any] | DictConfig, prefix: str = "") -> dict[str, Any]:
