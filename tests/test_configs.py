@@ -4,6 +4,7 @@ docs/RECIPES.md; struct mode is on."""
 from __future__ import annotations
 
 import re
+import shlex
 from fractions import Fraction
 from pathlib import Path
 
@@ -119,6 +120,18 @@ def test_the_folder_config_is_small_data_sized_and_needs_only_its_root():
         check_config(_compose("train", bad), TRAIN_RULES)
     assert "data.classes=['cat', 'cat']: expected null or a list of distinct class names" in str(error.value)
     assert "data.test.set.split='val': expected one of train, test" in str(error.value)
+
+
+def test_the_readme_coco_json_overrides_compose():
+    # The second bash block of the README's own-data section: its overrides, parsed as the shell would.
+    text = (CONFIGS.parent / "README.md").read_text()
+    section = text[text.index("## Your own data") :]
+    block = re.findall(r"```bash\n(.*?)```", section[: section.index("\n## ", 1)], re.S)[1]
+    words = shlex.split(block.replace("\\\n", " "))
+    assert words[:2] == ["python", "tools/train.py"]
+    cfg = _compose("train", words[2:])
+    assert cfg.data.kind == "coco" and cfg.data.train.sets[0].annotations == "my_train.json"
+    assert cfg.data.test.set.proposals == "data/proposals/my_test.pkl"
 
 
 def test_predict_config_needs_a_checkpoint_and_an_input_and_checks_every_key():
