@@ -4,6 +4,7 @@ docs/RECIPES.md; struct mode is on."""
 from __future__ import annotations
 
 import re
+import shlex
 from fractions import Fraction
 from pathlib import Path
 
@@ -14,6 +15,7 @@ from hydra.errors import ConfigCompositionException
 from omegaconf import OmegaConf
 
 from wsod.build import LABELERS, build_labeler, build_model
+from wsod.config_checks import PREDICT_RULES, TRAIN_RULES, ConfigError, check_config, flatten
 from wsod.engine.inference import tta_views
 
 CONFIGS = Path(__file__).resolve().parents[1] / "configs"
@@ -96,7 +98,7 @@ def test_experiments_carry_the_reference_recipe(name):
     assert cfg.model.weights == "IMAGENET1K_V1" and cfg.model.norm == "frozen_bn"
 
 
-@pytest.mark.parametrize("data", [n for n in _names("data") if n != "toy"])
+@pytest.mark.parametrize("data", [n for n in _names("data") if n not in ("toy", "folder")])
 def test_voc_and_coco_evaluate_with_the_reference_14_views(data):
     # Reference engine/bbox_aug.py: the 800-px test view, its flip, then each BBOX_AUG scale and its flip.
     test = _compose("train", [f"data={data}"]).data.test
@@ -104,6 +106,41 @@ def test_voc_and_coco_evaluate_with_the_reference_14_views(data):
     assert tta_views(list(test.scales), test.flip) == expected and test.max_size == 2000
     toy = _compose("train", []).data.test
     assert tta_views(list(toy.scales), toy.flip) == [(160, False)]
+
+
+def test_the_folder_config_is_small_data_sized_and_needs_only_its_root():
+    cfg = _compose("train", ["data=folder", "data.root=data/my_images"])
+    check_config(cfg, TRAIN_RULES)
+    test = cfg.data.test
+    assert tta_views(list(test.scales), test.flip) == [(576, False)]  # the plain test view
+    assert cfg.data.train.num_workers <= 2 and test.num_workers <= 2 and cfg.data.classes is None
+    assert OmegaConf.is_missing(_compose("train", ["data=folder"]).data, "root")
+    bad = ["data=folder", "data.root=x", "data.classes=[cat,cat]", "data.test.set.split=val"]
+    with pytest.raises(ConfigError) as error:
+        check_config(_compose("train", bad), TRAIN_RULES)
+    assert "data.classes=['cat', 'cat']: expected null or a list of distinct class names" in str(error.value)
+    assert "data.test.set.split='val': expected one of train, test" in str(error.value)
+
+
+def test_the_readme_coco_json_overrides_compose():
+    # The second bash block of the README's own-data section: its overrides, parsed as the shell would.
+    text = (CONFIGS.parent / "README.md").read_text()
+    section = text[text.index("## Your own data") :]
+    block = re.findall(r"```bash\n(.*?)```", section[: section.index("\n## ", 1)], re.S)[1]
+    words = shlex.split(block.replace("\\\n", " "))
+    assert words[:2] == ["python", "tools/train.py"]
+    cfg = _compose("train", words[2:])
+    assert cfg.data.kind == "coco" and cfg.data.train.sets[0].annotations == "my_train.json"
+    assert cfg.data.test.set.proposals == "data/proposals/my_test.pkl"
+
+
+def test_predict_config_needs_a_checkpoint_and_an_input_and_checks_every_key():
+    cfg = _compose("predict", ["checkpoint=runs/r/model_final.pth", "input=photos"])
+    check_config(cfg, PREDICT_RULES)
+    assert cfg.score_threshold == 0.3 and cfg.proposals is None and cfg.scales is None
+    assert set(flatten(cfg)) == set(PREDICT_RULES)  # every key has its rule
+    with pytest.raises(ConfigCompositionException):
+        _compose("predict", ["checkpoint=x", "input=y", "treshold=0.5"])
 
 
 def test_a_mistyped_override_is_an_error():

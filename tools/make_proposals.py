@@ -1,5 +1,6 @@
 """Make Selective Search proposals for a dataset, report their recall, or convert proposal files.
 
+    python tools/make_proposals.py folder --root data/my_images     # your own images (wsod/data/folder.py)
     python tools/make_proposals.py toy --split test --output outputs/proposals/toy_test.pkl
     python tools/make_proposals.py voc --devkit data/VOCdevkit --year 2007 --image-set trainval \\
         --output data/proposals/ss_voc_2007_trainval.pkl --workers 16
@@ -9,6 +10,8 @@
     python tools/make_proposals.py convert SelectiveSearchVOC2007trainval.mat voc_2007_trainval.pkl
     python tools/make_proposals.py convert ss_coco_train2017.pkl ss_coco_train2017.proposals  # mmap store
 
+``folder`` makes proposals for every image of ``<root>/labels.csv`` (both splits) and writes them where
+the folder dataset reads them, ``<root>/proposals/selective_search.proposals``: ``--output`` is not needed.
 Generation is resumable: rerun the same command after an interruption. Wherever the dataset has
 ground-truth boxes, recall at IoU 0.5 and 0.7 versus the number of proposals is printed and plotted
 (``--recall-plot``, default next to the output file). An output or destination ending with
@@ -23,7 +26,9 @@ import logging
 import sys
 from pathlib import Path
 
+from wsod.cli import run_tool
 from wsod.data.coco import load_coco_records
+from wsod.data.folder import load_folder_records, proposals_path
 from wsod.data.proposal_recall import format_recall_table, plot_recall, records_recall
 from wsod.data.proposal_store import STORE_DTYPES
 from wsod.data.proposals import convert_proposals, load_proposals
@@ -70,10 +75,15 @@ def _parser() -> argparse.ArgumentParser:
     coco.add_argument(
         "--images", type=Path, required=True, help="folder the json's file names are relative to"
     )
+    folder = commands.add_parser(
+        "folder", help="your own images: <root>/images/ and <root>/labels.csv (wsod/data/folder.py)"
+    )
+    folder.add_argument("--root", type=Path, required=True, help="the folder holding images/ and labels.csv")
+    folder.add_argument("--classes", help="comma-separated class names (default: classes.txt or the labels)")
     toy = commands.add_parser("toy", help="a split of the toy dataset (generated first if absent)")
     toy.add_argument("--root", type=Path, default=Path("data/toy"))
     toy.add_argument("--split", default="test", choices=("trainval", "train", "val", "test"))
-    for sub in (voc, coco, toy):
+    for sub in (voc, coco, folder, toy):
         _add_generation_options(sub)
     convert = commands.add_parser(
         "convert", help="convert a proposal file (.pkl, .mat, .proposals store) by suffix"
@@ -97,6 +107,9 @@ def _records(args: argparse.Namespace) -> list:
         return load_voc_records(args.devkit, args.year, args.image_set, classes)
     if args.command == "coco":
         return load_coco_records(args.annotations, args.images)[0]
+    if args.command == "folder":
+        classes = args.classes.split(",") if args.classes else None
+        return load_folder_records(args.root, None, classes)[0]
     toy = ensure_toy_dataset(args.root, progress=not args.no_progress)
     return load_voc_records(toy.devkit, toy.year, args.split, toy.classes)
 
@@ -117,6 +130,8 @@ def main(argv: list[str] | None = None) -> int:
             f" {args.source} -> {args.destination}"
         )
         return 0
+    if args.command == "folder" and args.output is None and args.proposals is None:
+        args.output = proposals_path(args.root)  # where the folder dataset reads them
     if (args.output is None) == (args.proposals is None):
         sys.exit("give exactly one of --output (generate) and --proposals (report an existing file)")
 
@@ -154,4 +169,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    run_tool(lambda _: main(), None)  # an error (bad input): one line and exit status 1, as every tool

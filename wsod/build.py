@@ -12,6 +12,7 @@ from torch.utils.data import Dataset
 
 from wsod.data.coco import CocoDataset
 from wsod.data.dataset import ConcatWeakDataset, WeakDetectionDataset
+from wsod.data.folder import FolderDataset, require_proposals
 from wsod.data.toy import ensure_toy_dataset
 from wsod.data.transforms import train_transform
 from wsod.data.voc import VOCDataset
@@ -112,10 +113,13 @@ def load_detector(
 def prepare_data(data_cfg: DictConfig, progress: bool = False) -> None:
     """Generate what a dataset needs on first use (the toy set), with progress bars if asked: the main
     process first, the others waiting and then finding it in place, so that ranks never generate it
-    concurrently."""
+    concurrently. A folder dataset's proposals are never made here: their absence is an error giving
+    the ``tools/make_proposals.py folder`` command (Selective Search deserves its own progress bar)."""
     with main_process_first():
         if data_cfg.kind == "toy":
             _toy(data_cfg, progress)
+        elif data_cfg.kind == "folder":
+            require_proposals(data_cfg.root)
 
 
 def _toy(data_cfg: DictConfig, progress: bool = False):
@@ -134,7 +138,10 @@ def _open(
         return VOCDataset(data_cfg.devkit, str(source.year), source.image_set, source.proposals, **options)
     if data_cfg.kind == "coco":
         return CocoDataset(source.annotations, source.images, source.proposals, **options)
-    raise ValueError(f"data.kind must be toy, voc or coco, got '{data_cfg.kind}'")
+    if data_cfg.kind == "folder":
+        classes = None if data_cfg.classes is None else list(data_cfg.classes)
+        return FolderDataset(data_cfg.root, source.split, classes=classes, **options)
+    raise ValueError(f"data.kind must be toy, voc, coco or folder, got '{data_cfg.kind}'")
 
 
 def build_train_dataset(data_cfg: DictConfig) -> Dataset:
@@ -167,9 +174,12 @@ def build_test_dataset(data_cfg: DictConfig) -> WeakDetectionDataset:
     return _open(data_cfg, test.set, transform=None, max_proposals=test.max_proposals, drop_unlabelled=False)
 
 
-def build_evaluator(data_cfg: DictConfig, device: torch.device, progress: bool = True) -> Evaluator:
+def build_evaluator(
+    data_cfg: DictConfig, device: torch.device, progress: bool = True, random_baseline: bool = False
+) -> Evaluator:
     """The test set of ``data.test`` and its evaluation settings (views, precision, metric): the same
-    for evaluation during training and for tools/eval.py."""
+    for evaluation during training and for tools/eval.py. ``random_baseline``: every evaluation also
+    reports the chance level (``Evaluator``)."""
     test = data_cfg.test
     return Evaluator(
         build_test_dataset(data_cfg),
@@ -182,6 +192,7 @@ def build_evaluator(data_cfg: DictConfig, device: torch.device, progress: bool =
         metric=test.metric,
         device=device,
         progress=progress,
+        random_baseline=random_baseline,
     )
 
 

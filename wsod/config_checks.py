@@ -21,10 +21,20 @@ import torch
 from omegaconf import DictConfig, OmegaConf
 
 from wsod.build import LABELERS
+from wsod.data.folder import SPLITS as FOLDER_SPLITS
+from wsod.data.selective_search import MODES as SELECTIVE_SEARCH_MODES
 from wsod.engine.evaluate import METRICS
 from wsod.modeling.detector import BACKBONES
 
-__all__ = ["ConfigError", "check_config", "resume_changes", "flatten"]
+__all__ = [
+    "ConfigError",
+    "check_config",
+    "resume_changes",
+    "flatten",
+    "TRAIN_RULES",
+    "EVAL_RULES",
+    "PREDICT_RULES",
+]
 
 
 class ConfigError(ValueError):
@@ -76,6 +86,38 @@ def _choice(*options: Any) -> _Rule:
 
 
 _FLAG = _Rule(lambda v: isinstance(v, bool), "true or false")
+
+
+def _path(example: str) -> _Rule:
+    """A path given as a string (not the ``???`` of a required key left out)."""
+    return _Rule(lambda v: isinstance(v, str) and v.strip() not in ("", "???"), f"a path, e.g. {example}")
+
+
+def _optional_path(expected: str) -> _Rule:
+    return _Rule(lambda v: v is None or _path("").accepts(v), expected)
+
+
+_CLASSES = _Rule(
+    lambda v: (
+        v is None
+        or (
+            isinstance(v, list | tuple)
+            and len(v) > 0
+            and all(isinstance(c, str) and c.strip() for c in v)
+            and len(set(v)) == len(v)
+        )
+    ),
+    "null or a list of distinct class names, e.g. [cat,dog]",
+)
+_SPLIT = _choice(*FOLDER_SPLITS)
+_FOLDER_SETS = _Rule(
+    lambda v: (
+        isinstance(v, list | tuple)
+        and len(v) > 0
+        and all(not isinstance(s, dict) or s.get("split", FOLDER_SPLITS[0]) in FOLDER_SPLITS for s in v)
+    ),
+    f"a non-empty list of sets; a folder set's split is one of {', '.join(FOLDER_SPLITS)}",
+)
 _SCALES = _Rule(
     lambda v: isinstance(v, list | tuple) and len(v) > 0 and all(_is_int(s) and s > 0 for s in v),
     "a non-empty list of positive integers, e.g. [480,576]",
@@ -105,7 +147,10 @@ _COMMON = {
     "threads": _integer(0, optional=True),
     "progress": _FLAG,
     "random_baseline": _FLAG,
-    "data.kind": _choice("toy", "voc", "coco"),
+    "data.kind": _choice("toy", "voc", "coco", "folder"),
+    "data.root": _path("data.root=data/my_images"),
+    "data.classes": _CLASSES,
+    "data.test.set.split": _SPLIT,
     "data.num_train": _integer(1),
     "data.num_test": _integer(1),
     "data.test.scales": _SCALES,
@@ -127,6 +172,7 @@ TRAIN_RULES: dict[str, _Rule] = {
     "keep_checkpoints": _integer(1),
     "eval_period": _integer(0),
     "max_nonfinite": _integer(1),
+    "data.train.sets": _FOLDER_SETS,
     "data.train.scales": _SCALES,
     "data.train.max_size": _integer(1, optional=True),
     "data.train.flip": _FLAG,
@@ -181,6 +227,21 @@ TRAIN_RULES: dict[str, _Rule] = {
 }
 
 EVAL_RULES: dict[str, _Rule] = {**_COMMON}
+
+PREDICT_RULES: dict[str, _Rule] = {
+    "device": _COMMON["device"],
+    "threads": _COMMON["threads"],
+    "progress": _FLAG,
+    "checkpoint": _path("checkpoint=runs/my_run/model_final.pth"),
+    "input": _path("input=data/my_images/images"),
+    "output": _optional_path("null or a folder, e.g. runs/my_predictions"),
+    "score_threshold": _number(0, 1),
+    "proposals": _optional_path("null or a proposal file or store"),
+    "selective_search": _choice(*SELECTIVE_SEARCH_MODES),
+    "max_proposals": _integer(1, optional=True),
+    "scales": _Rule(lambda v: v is None or _SCALES.accepts(v), "null or " + _SCALES.expected),
+    "num_workers": _integer(0),
+}
 
 
 def flatten(node: Mapping[str, Any] | DictConfig, prefix: str = "") -> dict[str, Any]:
@@ -237,6 +298,7 @@ _FIXED_ON_RESUME = {
     "data.kind": "the training data must be the checkpoint's",
     "data.root": "the training data must be the checkpoint's",
     "data.devkit": "the training data must be the checkpoint's",
+    "data.classes": "the class indices of the saved heads must be the checkpoint's",
     "data.num_train": "the training data must be the checkpoint's",
     "data.num_test": "the toy set must be the checkpoint's",
     "data.train": "the training images, their order and their augmentation must be the checkpoint's",

@@ -125,7 +125,7 @@ def _train_in(run_dir: Path, cfg: DictConfig, device: torch.device) -> dict[str,
 
     prepare_data(cfg.data, progress=cfg.progress and main)
     train_set = build_train_dataset(cfg.data)
-    evaluator = build_evaluator(cfg.data, device, cfg.progress)
+    evaluator = build_evaluator(cfg.data, device, cfg.progress, random_baseline=cfg.random_baseline)
     with main_process_first():  # ImageNet weights: fetched into torch hub's cache once, then read
         model = build_model(cfg.model, train_set.num_classes, cfg.method).to(device)
     optimizer = build_optimizer(cfg.solver, model)
@@ -167,7 +167,7 @@ def _train_in(run_dir: Path, cfg: DictConfig, device: torch.device) -> dict[str,
         ) from error
     write_evaluation(final, evaluator.dataset, run_dir / "eval")
     with RunLog(run_dir, enabled=main) as run_log:
-        run_log.record("eval", summary["iteration"], {**final.metrics, **final.extra})
+        run_log.evaluation(summary["iteration"], final)
     _keep_if_best(run_dir, summary, final.metrics.get(evaluator.primary_metric), evaluator.primary_metric)
     summary["final"] = {**final.metrics, **final.extra}
     return summary
@@ -243,8 +243,10 @@ def _evaluate_in(out_dir: Path, cfg: DictConfig, device: torch.device) -> dict[s
     test_set = evaluator.dataset
     if list(metadata["classes"]) != list(test_set.classes):
         raise ValueError(
-            f"{cfg.checkpoint} was trained on classes {metadata['classes']}, the test set has"
-            f" {list(test_set.classes)}"
+            f"{cfg.checkpoint} was trained on classes {metadata['classes']} ({len(metadata['classes'])}),"
+            f" the test set has {list(test_set.classes)} ({len(test_set.classes)}): evaluate a checkpoint"
+            " trained on this data, or test on data of the checkpoint's classes (a folder dataset takes"
+            " its class list from data.classes or <root>/classes.txt)"
         )
     if cfg.predictions:
         saved = load_checkpoint(cfg.predictions)

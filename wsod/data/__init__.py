@@ -1,4 +1,5 @@
-"""Datasets (VOC, COCO, label-only json, the toy set), proposal files, transforms and batching.
+"""Datasets (VOC, COCO, label-only json, a folder of your own images, the toy set), proposal files,
+transforms and batching.
 
 Conventions (written once, here and in ``box_formats``): boxes are float32 ``x1 y1 x2 y2`` pixels,
 0-based inclusive for VOC-style data and proposals; image labels are (C,) float32 multi-hot over the
@@ -7,6 +8,7 @@ foreground classes 0..C-1; ground-truth labels index the same classes.
 
 from wsod.data.coco import CocoDataset
 from wsod.data.dataset import ConcatWeakDataset, ImageRecord, WeakDetectionDataset
+from wsod.data.folder import FolderDataset
 from wsod.data.loader import build_test_loader, build_train_loader, collate, infinite_batches, model_inputs
 from wsod.data.proposal_store import ProposalStore
 from wsod.data.proposals import (
@@ -24,6 +26,7 @@ __all__ = [
     "CocoDataset",
     "ConcatWeakDataset",
     "DetectionTransform",
+    "FolderDataset",
     "ImageRecord",
     "MissingProposalsError",
     "ProposalSet",

@@ -2,9 +2,19 @@
 
 ``Evaluator(dataset, ...)(model)`` predicts the test set with the configured test-time augmentation and
 precision, scores it once (on the main process under torchrun) and returns detections, metrics and a
-printable report; ``write_evaluation`` puts them on disk. Which scoring applies is decided here, by the
-metric the data config names: ``voc07`` (11-point AP, VOC 2007) or ``area`` (VOC 2010 and later) give
-devkit AP + CorLoc on the dataset's ground truth; ``coco`` gives the COCOeval numbers of its json.
+printable report; ``write_evaluation`` puts them on disk. Which scoring applies is decided here, in
+``evaluate_detections``, by the test set and the metric the data config names:
+
+- a test set with ground-truth boxes: ``voc07`` (11-point AP, VOC 2007) or ``area`` (VOC 2010 and later)
+  give devkit AP + CorLoc; ``coco`` gives the COCOeval numbers of its json;
+- a test set with image-level labels only (a folder dataset, a label-only COCO json): detection AP and
+  CorLoc cannot be computed, and the report says so in one line; the image-level classification mAP
+  (``cls_mAP``) of the detector's image scores (the MIL teacher's, docs/METHOD.md §10) is reported
+  instead, its AP formula picked by the metric (``voc07``: 11-point, otherwise the area). Predictions
+  are written all the same.
+
+Each evaluation also carries per-class values (``AP_<class>``, or ``cls_AP_<class>``) and a few test
+images with their top detections drawn, for the run's tensorboard (``RunLog.evaluation``).
 """
 
 from __future__ import annotations
@@ -20,18 +30,22 @@ from torch import Tensor
 
 from wsod.data.coco import CocoDataset
 from wsod.data.dataset import WeakDetectionDataset
+from wsod.data.folder import FolderDataset
 from wsod.distributed import broadcast_object, is_main_process
 from wsod.engine.checkpoint import save_checkpoint
 from wsod.engine.inference import predict, random_detections
-from wsod.evaluation import coco, voc
+from wsod.engine.visualize import draw_detections, tag_safe
+from wsod.evaluation import classification, coco, voc
 from wsod.modeling.detector import WeaklySupervisedDetector
 
 __all__ = [
     "METRICS",
     "Evaluation",
     "Evaluator",
+    "NO_BOXES",
     "evaluate_detections",
     "primary_metric",
+    "score_detections",
     "write_evaluation",
 ]
 
@@ -39,10 +53,19 @@ logger = logging.getLogger(__name__)
 
 METRICS = (*voc.METRICS, "coco")
 Detections = list[dict[str, Tensor]]
+# The line a label-only evaluation prints instead of detection numbers.
+NO_BOXES = "detection AP and CorLoc unavailable: the test set has no boxes (image-level labels only)"
+# Tensorboard images of each evaluation: the first few test images, their best few detections.
+PREVIEW_IMAGES = 4
+PREVIEW_DETECTIONS = 5
+PREVIEW_MAX_SIDE = 512
 
 
-def primary_metric(metric: str) -> str:
-    """The metric name that ranks checkpoints (``model_best.pth``) for a data config's ``metric``."""
+def primary_metric(metric: str, has_boxes: bool = True) -> str:
+    """The metric name that ranks checkpoints (``model_best.pth``) for a data config's ``metric``, on a
+    test set with boxes or (``has_boxes=False``) with image-level labels only."""
+    if not has_boxes:
+        return "cls_mAP"
     return "AP" if metric == "coco" else "mAP"
 
 
@@ -53,10 +76,22 @@ def evaluate_detections(
 
     ``metric`` "voc07" or "area": devkit AP at IoU >= 0.5 (``mAP``) and CorLoc at IoU > 0.5 (``CorLoc``),
     with a per-class table and a ``copypaste:`` line. "coco": the 12 COCOeval stats (``AP``, ``AP50``,
-    ...) through pycocotools, for a ``CocoDataset``.
+    ...) through pycocotools, for a ``CocoDataset``. A dataset without ground-truth boxes: ``cls_mAP``,
+    the classification mAP of the detections' ``image_scores`` (see the module docstring).
     """
+    metrics, report, _ = score_detections(detections, dataset, metric=metric)
+    return metrics, report
+
+
+def score_detections(
+    detections: Detections, dataset: WeakDetectionDataset, *, metric: str = "voc07"
+) -> tuple[dict[str, float], str, dict[str, float]]:
+    """``evaluate_detections``' metrics and report, and the per-class values: ``AP_<class>`` (VOC
+    metrics), ``cls_AP_<class>`` (label-only data), none for COCOeval."""
     if metric not in METRICS:
         raise ValueError(f"unknown metric '{metric}': expected one of {METRICS}")
+    if not dataset.has_ground_truth:
+        return _classification(detections, dataset, metric)
     if metric == "coco":
         if not isinstance(dataset, CocoDataset):
             raise ValueError(
@@ -64,22 +99,56 @@ def evaluate_detections(
             )
         results = coco.to_coco_results(detections, dataset.image_ids, dataset.category_ids)
         stats = coco.evaluate_coco(results, dataset.annotation_file, image_ids=dataset.image_ids)
-        return dict(stats), coco.format_coco_stats(stats)
+        return dict(stats), coco.format_coco_stats(stats), {}
     annotations = dataset.ground_truth()
     results = voc.evaluate(detections, annotations, dataset.num_classes, metric=metric)
     localisation = voc.corloc(detections, annotations, dataset.num_classes)
     report = voc.format_results(results, dataset.classes, localisation)
-    return {"mAP": results["mAP"], "CorLoc": localisation["CorLoc"]}, report
+    per_class = {f"AP_{name}": ap for name, ap in zip(dataset.classes, results["ap"], strict=True)}
+    return {"mAP": results["mAP"], "CorLoc": localisation["CorLoc"]}, report, per_class
+
+
+def _classification(
+    detections: Detections, dataset: WeakDetectionDataset, metric: str
+) -> tuple[dict[str, float], str, dict[str, float]]:
+    """Label-only data: classification mAP of the image scores against the image labels."""
+    if len(detections) != len(dataset):
+        raise ValueError(f"{len(detections)} images of predictions for a test set of {len(dataset)}")
+    missing = sum("image_scores" not in d for d in detections)
+    if missing:
+        raise ValueError(
+            f"{missing} of {len(detections)} predictions hold no image scores (predictions written by an"
+            " older wsod?); the label-only test set is scored by them: evaluate without predictions= to"
+            " recompute them"
+        )
+    scores = torch.stack([torch.as_tensor(d["image_scores"]).reshape(-1) for d in detections])
+    labels = torch.stack([torch.as_tensor(r.labels) for r in dataset.records])
+    results = classification.classification_ap(scores, labels, "voc07" if metric == "voc07" else "area")
+    report = NO_BOXES + "\n" + classification.format_classification(results, dataset.classes)
+    per_class = {f"cls_AP_{name}": ap for name, ap in zip(dataset.classes, results["ap"], strict=True)}
+    return {"cls_mAP": results["cls_mAP"]}, report, per_class
 
 
 @dataclass
 class Evaluation:
-    """Detections (on the main process; ``None`` elsewhere under torchrun), metrics and report."""
+    """Detections (on the main process; ``None`` elsewhere under torchrun), metrics and report.
+
+    ``extra``: the random baseline (``random_<metric>``); ``per_class``: ``AP_<class>`` or
+    ``cls_AP_<class>``; ``previews``: tensorboard tag -> uint8 (3, H, W) test image with its top
+    detections drawn (main process only).
+    """
 
     detections: Detections | None
     metrics: dict[str, float]
     report: str
     extra: dict[str, float] = field(default_factory=dict)
+    per_class: dict[str, float] = field(default_factory=dict)
+    previews: dict[str, Tensor] = field(default_factory=dict)
+
+    @property
+    def values(self) -> dict[str, float]:
+        """Everything numeric: the metrics, the per-class values and the random baseline."""
+        return {**self.metrics, **self.per_class, **self.extra}
 
 
 class Evaluator:
@@ -90,6 +159,8 @@ class Evaluator:
         batch_size, num_workers: the test loader.
         amp: None (full precision) or "bf16"/"fp16" on CUDA.
         metric: "voc07", "area" or "coco" (see ``evaluate_detections``).
+        random_baseline: whether a call without ``random_baseline=`` also scores random scores (computed
+            once and kept: they depend on the test set and the model's post-processing settings only).
     """
 
     def __init__(
@@ -105,6 +176,7 @@ class Evaluator:
         metric: str = "voc07",
         device: torch.device | str = "cpu",
         progress: bool = True,
+        random_baseline: bool = False,
     ) -> None:
         if metric not in METRICS:
             raise ValueError(f"unknown metric '{metric}': expected one of {METRICS}")
@@ -113,13 +185,15 @@ class Evaluator:
         self.batch_size, self.num_workers = batch_size, num_workers
         self.amp, self.metric, self.device = amp, metric, torch.device(device)
         self.progress = progress
+        self.random_baseline = random_baseline
+        self._chance: tuple[tuple, dict[str, float]] | None = None
 
     @property
     def primary_metric(self) -> str:
-        return primary_metric(self.metric)
+        return primary_metric(self.metric, self.dataset.has_ground_truth)
 
-    def __call__(self, model: WeaklySupervisedDetector, *, random_baseline: bool = False) -> Evaluation:
-        """Predict, then ``score``."""
+    def __call__(self, model: WeaklySupervisedDetector, *, random_baseline: bool | None = None) -> Evaluation:
+        """Predict, then ``score`` (``random_baseline`` None: the evaluator's setting)."""
         detections = predict(
             model, self.dataset, scales=self.scales, max_size=self.max_size, flip=self.flip,
             batch_size=self.batch_size, num_workers=self.num_workers, device=self.device, amp=self.amp,
@@ -128,31 +202,61 @@ class Evaluator:
         return self.score(detections, model, random_baseline=random_baseline)
 
     def score(
-        self, detections: Detections | None, model: WeaklySupervisedDetector, *, random_baseline: bool = False
+        self,
+        detections: Detections | None,
+        model: WeaklySupervisedDetector,
+        *,
+        random_baseline: bool | None = None,
     ) -> Evaluation:
         """Score ``detections`` on the main process (the others pass ``None``) and share the result.
         ``random_baseline``: also score uniformly random class scores over the same proposals through
-        the model's post-processing (the chance level), in ``Evaluation.extra``."""
+        the model's post-processing (the chance level), in ``Evaluation.extra`` (None: the evaluator's
+        setting)."""
+        if random_baseline is None:
+            random_baseline = self.random_baseline
         scored = None
         if is_main_process():
-            metrics, report = evaluate_detections(detections, self.dataset, metric=self.metric)
+            metrics, report, per_class = score_detections(detections, self.dataset, metric=self.metric)
             extra = {}
             if random_baseline:
-                chance, _ = evaluate_detections(
-                    random_detections(self.dataset, model), self.dataset, metric=self.metric
-                )
+                chance = self._chance_level(model)
                 extra = {f"random_{k}": v for k, v in chance.items()}
                 report += "\nrandom scores over the same proposals: " + ", ".join(
                     f"{k} {100 * v:.2f}" for k, v in chance.items()
                 )
-            scored = (metrics, report, extra)
-        metrics, report, extra = broadcast_object(scored)
-        return Evaluation(detections, metrics, report, extra)
+            scored = (metrics, report, extra, per_class)
+        metrics, report, extra, per_class = broadcast_object(scored)
+        previews = self._previews(detections) if is_main_process() else {}
+        return Evaluation(detections, metrics, report, extra, per_class, previews)
+
+    def _chance_level(self, model: WeaklySupervisedDetector) -> dict[str, float]:
+        """The metrics of ``random_detections``, computed once per post-processing setting."""
+        key = (model.num_classes, model.nms_iou, model.score_threshold, model.detections_per_image)
+        if self._chance is None or self._chance[0] != key:
+            chance, _ = evaluate_detections(
+                random_detections(self.dataset, model), self.dataset, metric=self.metric
+            )
+            self._chance = (key, chance)
+        return self._chance[1]
+
+    def _previews(self, detections: Detections) -> dict[str, Tensor]:
+        """The first ``PREVIEW_IMAGES`` test images with their ``PREVIEW_DETECTIONS`` best detections
+        (and ground-truth boxes in white, where the set has them), under fixed tags."""
+        previews = {}
+        for index in range(min(PREVIEW_IMAGES, len(self.dataset))):
+            item = self.dataset[index]
+            image = draw_detections(
+                item["image"], detections[index], self.dataset.classes, top=PREVIEW_DETECTIONS,
+                ground_truth=item.get("gt_boxes"), max_side=PREVIEW_MAX_SIDE,
+            )  # fmt: skip
+            previews[f"detections/{index}_{tag_safe(item['image_id'])}"] = image
+        return previews
 
 
 def write_evaluation(evaluation: Evaluation, dataset: WeakDetectionDataset, out_dir: str | Path) -> None:
     """On the main process: predictions.pth, metrics.json (with the random baseline), report.txt, and
-    VOC devkit result files (``voc_results/``) or a COCO results json; logs the report."""
+    VOC devkit result files (``voc_results/``), a COCO results json, or for a folder dataset
+    ``predictions.json`` (``coco.to_named_results``, the format of tools/predict.py); logs the report."""
     if not is_main_process():
         return
     out_dir = Path(out_dir)
@@ -162,7 +266,10 @@ def write_evaluation(evaluation: Evaluation, dataset: WeakDetectionDataset, out_
     metrics = {**evaluation.metrics, **evaluation.extra}
     (out_dir / "metrics.json").write_text(json.dumps(metrics, indent=1) + "\n")
     (out_dir / "report.txt").write_text(evaluation.report + "\n")
-    if isinstance(dataset, CocoDataset):
+    if isinstance(dataset, FolderDataset):  # tools/predict.py's format: file names, not devkit ids
+        results = coco.to_named_results(detections, [str(i) for i in dataset.image_ids], dataset.classes)
+        coco.save_coco_results(results, out_dir / "predictions.json")
+    elif isinstance(dataset, CocoDataset):
         results = coco.to_coco_results(detections, dataset.image_ids, dataset.category_ids)
         coco.save_coco_results(results, out_dir / "coco_results.json")
     else:

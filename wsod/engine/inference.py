@@ -77,9 +77,11 @@ def predict(
     """Detections for every image of ``dataset`` (built without a transform), in dataset order.
 
     Each detection dict holds CPU tensors ``boxes`` (D, 4) in original pixels, ``scores`` (D,) and
-    ``labels`` (D,) in 0..C-1. Under torch.distributed each process predicts every world_size-th image;
-    the main process receives the whole list and the others ``None`` (scoring runs once, on the main
-    process: COCOeval alone holds the whole ground truth in memory).
+    ``labels`` (D,) in 0..C-1, and the image's class scores ``image_scores`` (C,) (the MIL teacher's,
+    ``WeaklySupervisedDetector.image_scores``; averaged over the views like the per-ROI scores). Under
+    torch.distributed each process predicts every world_size-th image; the main process receives the
+    whole list and the others ``None`` (scoring runs once, on the main process: COCOeval alone holds the
+    whole ground truth in memory).
     """
     device = torch.device(device)
     amp = resolve_amp(amp, device)
@@ -108,20 +110,22 @@ def predict(
             per_roi = model.predict_rois(
                 features.float(), inputs["proposals"], inputs["image_sizes"], inputs["original_sizes"]
             )
+            per_image = model.image_scores(features.float(), inputs["proposals"])
             per_roi = [
-                (scores, _unflip(boxes, size[1]) if flipped else boxes)
-                for (scores, boxes), size, flipped in zip(
-                    per_roi, inputs["original_sizes"], batch["flipped"], strict=True
+                (scores, _unflip(boxes, size[1]) if flipped else boxes, image_scores)
+                for (scores, boxes), size, flipped, image_scores in zip(
+                    per_roi, inputs["original_sizes"], batch["flipped"], per_image, strict=True
                 )
             ]
             if totals is None:
-                totals = [[scores, boxes] for scores, boxes in per_roi]
+                totals = [list(outputs) for outputs in per_roi]
             else:
-                for total, (scores, boxes) in zip(totals, per_roi, strict=True):
-                    total[0] = total[0] + scores
-                    total[1] = total[1] + boxes
-        for scores, boxes in totals:
+                for total, outputs in zip(totals, per_roi, strict=True):
+                    for k, value in enumerate(outputs):
+                        total[k] = total[k] + value
+        for scores, boxes, image_scores in totals:
             detections = model.postprocess(scores / len(views), boxes / len(views))
+            detections["image_scores"] = image_scores / len(views)
             results.append({k: v.cpu() for k, v in detections.items()})
     model.train(was_training)
     if world == 1:
@@ -140,12 +144,16 @@ def random_detections(
     dataset: WeakDetectionDataset, model: WeaklySupervisedDetector, *, seed: int = 0
 ) -> Detections:
     """The chance level: uniformly random class scores over the same proposals, through the model's own
-    post-processing (per-class NMS, top detections)."""
+    post-processing (per-class NMS, top detections), and uniformly random image scores (drawn from a
+    generator of their own, so that the detections are those of earlier versions)."""
     generator = torch.Generator().manual_seed(seed)
+    image_generator = torch.Generator().manual_seed(seed + 1)
     results: Detections = []
     for index in range(len(dataset)):
         boxes = dataset.proposals_of(index).float()
         scores = torch.rand(len(boxes), dataset.num_classes + 1, generator=generator)
         per_class = boxes[:, None, :].expand(-1, dataset.num_classes + 1, -1)
-        results.append(model.postprocess(scores, per_class))
+        detections = model.postprocess(scores, per_class)
+        detections["image_scores"] = torch.rand(dataset.num_classes, generator=image_generator)
+        results.append(detections)
     return results

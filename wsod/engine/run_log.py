@@ -1,4 +1,5 @@
-"""A run's numbers on disk: one JSON object per line in ``metrics.jsonl`` and tensorboard scalars."""
+"""A run's numbers on disk: one JSON object per line in ``metrics.jsonl``, tensorboard scalars and, at
+each evaluation, tensorboard images of test images with their detections drawn."""
 
 from __future__ import annotations
 
@@ -7,6 +8,7 @@ import math
 from pathlib import Path
 from typing import Any
 
+from torch import Tensor
 from torch.utils.tensorboard import SummaryWriter
 
 from wsod.atomic import atomic_write
@@ -49,6 +51,18 @@ class RunLog:
         for name, value in values.items():
             if isinstance(value, int | float) and math.isfinite(value):
                 self._writer.add_scalar(f"{kind}/{name}", value, iteration)
+
+    def image(self, tag: str, image: Tensor, iteration: int) -> None:
+        """A uint8 (3, H, W) image in tensorboard under ``tag`` at ``iteration``."""
+        if self.enabled:
+            self._writer.add_image(tag, image, iteration, dataformats="CHW")
+
+    def evaluation(self, iteration: int, evaluation: Any) -> None:
+        """An ``wsod.engine.evaluate.Evaluation``: its ``values`` (metrics, per-class values, random
+        baseline) as an ``eval`` row and scalars, and its ``previews`` as images (``eval/<tag>``)."""
+        self.record("eval", iteration, evaluation.values)
+        for tag, image in evaluation.previews.items():
+            self.image(f"eval/{tag}", image, iteration)
 
     def close(self) -> None:
         if self.enabled:

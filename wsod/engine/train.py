@@ -205,8 +205,9 @@ def train(
     def run_evaluation() -> None:
         model.eval()
         with torch.no_grad():
-            metrics = evaluator(_unwrap(model)).metrics
+            result = evaluator(_unwrap(model))
         model.train()
+        metrics = result.metrics
         state["last_eval"] = metrics
         value = metrics.get(evaluator.primary_metric)
         is_best = value is not None and (state["best"] is None or value > state["best"]["value"])
@@ -217,7 +218,7 @@ def train(
                 "metric": evaluator.primary_metric,
             }
         if main:
-            record("eval", metrics)
+            run_log.evaluation(state["iteration"], result)  # metrics, per-class APs, images of detections
             logger.info("evaluation at iteration %d: %s", state["iteration"], metrics)
             if is_best:
                 save_checkpoint({**checkpoint_state(), "best": state["best"]}, run_dir / "model_best.pth")

@@ -29,6 +29,7 @@ __all__ = [
     "load_coco",
     "save_coco_results",
     "to_coco_results",
+    "to_named_results",
 ]
 
 # The order of COCOeval.stats after summarize() for iouType "bbox".
@@ -56,6 +57,37 @@ def to_coco_results(
                 raise ValueError(f"image {image_id}: label {label} outside [0, {len(category_ids)})")
             results.append(
                 {"image_id": image_id, "category_id": category_ids[label], "bbox": box, "score": score}
+            )
+    return results
+
+
+def to_named_results(
+    detections: Sequence[Mapping[str, Any]], file_names: Sequence[str], class_names: Sequence[str]
+) -> list[dict[str, Any]]:
+    """The results of images known by file name (tools/predict.py's ``predictions.json``): COCO results
+    entries ``{"image_id", "file_name", "category_id", "category_name", "bbox": [x, y, w, h], "score"}``.
+
+    Image ids are assigned in sorted file-name order from 1 (pycocotools' ``loadRes`` needs integer ids;
+    map them to another json's ids through ``file_name``); entries come in that order. Category ids are
+    the class index + 1 (COCO's ids start at 1), ``category_name`` the class name.
+    """
+    if len(file_names) != len(detections):
+        raise ValueError(f"{len(file_names)} file names for {len(detections)} images")
+    if len(set(file_names)) != len(file_names):
+        raise ValueError("file names must be distinct: they identify the images")
+    order = sorted(range(len(file_names)), key=lambda i: file_names[i])
+    results = []
+    for image_id, i in enumerate(order, start=1):
+        for entry in to_coco_results([detections[i]], [image_id], range(1, len(class_names) + 1)):
+            results.append(
+                {
+                    "image_id": image_id,
+                    "file_name": file_names[i],
+                    "category_id": entry["category_id"],
+                    "category_name": class_names[entry["category_id"] - 1],
+                    "bbox": entry["bbox"],
+                    "score": entry["score"],
+                }
             )
     return results
 

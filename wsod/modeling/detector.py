@@ -249,6 +249,16 @@ class WeaklySupervisedDetector(nn.Module):
             results.append((image_probs, image_boxes * scale))
         return results
 
+    def image_scores(self, roi_features: Tensor, proposals: Sequence[Tensor]) -> Tensor:
+        """The MIL teacher's image-level class scores (B, C): per image, the sum of its ROI scores
+        (docs/METHOD.md §3, the ``phi`` of the MIL loss), clamped to [0, 1], background dropped. What
+        label-only evaluation ranks images by (docs/METHOD.md §10). Full precision, like ``predict_rois``."""
+        with _autocast_off(roi_features):
+            counts = [len(p) for p in proposals]
+            roi_scores = self.mil_head(_full_precision(roi_features), counts)
+            phi = torch.stack([s.sum(dim=0) for s in roi_scores.split(counts)])
+            return phi[:, 1:].clamp(0.0, 1.0)
+
     def postprocess(self, scores: Tensor, boxes: Tensor) -> dict[str, Tensor]:
         """One image's per-ROI scores (R, C+1) and boxes (R, C+1, 4) -> per-class NMS detections."""
         with _autocast_off(scores):
