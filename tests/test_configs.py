@@ -85,6 +85,7 @@ def test_experiments_carry_the_reference_recipe(name):
     cfg = _compose("train", [f"experiment={name}"])
     s = cfg.solver
     lr, images, milestones, max_iter, warmup = REFERENCE_SCHEDULES[name.split("_")[2]]
+    voc = cfg.data.kind == "voc"
     assert (s.optimizer, s.lr, s.momentum, s.weight_decay, s.momentum_rescale) == ("sgd", lr, 0.9, 1e-4, True)
     assert (s.bias_lr_factor, s.bias_weight_decay) == (2.0, 0.0)
     assert (s.warmup_iters, s.warmup_factor) == (warmup, pytest.approx(1 / 3))
@@ -95,7 +96,11 @@ def test_experiments_carry_the_reference_recipe(name):
     assert cfg.seed == 1234
     assert list(cfg.data.train.scales) == [480, 576, 688, 864, 1000, 1200] and cfg.data.train.max_size == 2000
     assert cfg.data.train.flip and cfg.data.kind in ("voc", "coco")
-    assert cfg.model.weights == "IMAGENET1K_V1" and cfg.model.norm == "frozen_bn"
+    assert cfg.model.weights == "IMAGENET1K_V1"
+    assert cfg.model.get("norm", "frozen_bn") == "frozen_bn"  # ResNet's; VGG16 has no normalisation
+    assert cfg.model.dropblock == voc  # the reference's VOC recipes train with DropBlock, COCO's without
+    if cfg.model.backbone == "vgg16":
+        assert (cfg.model.pooler, cfg.model.roi_size, cfg.model.freeze_at) == ("pool", 7, 2)
 
 
 @pytest.mark.parametrize("data", [n for n in _names("data") if n not in ("toy", "folder")])

@@ -61,7 +61,9 @@ STRATEGIES = ("plain", "checkpoint", "paper", "fused")
 DROPBLOCK_SUFFIX = "+dropblock"
 # The DropBlock scorer's hidden width per model, as its config (configs/model/*.yaml) sets it.
 DROPBLOCK_HIDDEN = {"r50_c4": 256, "r101_c4": 256}
-MODELS = {"r18_c4": "resnet18", "r50_c4": "resnet50", "r101_c4": "resnet101"}
+MODELS = {"r18_c4": "resnet18", "r50_c4": "resnet50", "r101_c4": "resnet101", "vgg16": "vgg16"}
+# ROI pooling per model, as configs/model/*.yaml sets it (the C4 default: RoIAlign 14x14).
+ROI_POOLING = {"vgg16": {"pooler": "pool", "roi_size": 7}}
 NUM_CLASSES = 20
 
 
@@ -119,6 +121,7 @@ def build_benchmark_model(model: str, strategy: str, chunk: int | None) -> Weakl
         NUM_CLASSES,
         chunk_size=chunk if sequential else None,
         fuse_pooling=strategy != "paper",
+        **ROI_POOLING.get(model, {}),
         dropblock=dropblock,
         dropblock_hidden=DROPBLOCK_HIDDEN.get(model),
     )
