@@ -260,10 +260,15 @@ def test_errors_and_guards():
         GradNorm(4).double().balance(values[:3], shared)
     with pytest.raises(ValueError, match="must be a scalar"):
         GradNorm(4).double().balance([*values[:3], shared.sum(dim=0)], shared)
+    # A loss at zero on the first call (a box loss without foreground) is recorded at its first positive
+    # value; until then its relative rate counts as 1.
     zero_first = GradNorm(4).double()
-    with pytest.raises(ValueError, match="finite and positive.*'reg'=0.0"):
-        zero_first.balance({**losses, "reg": 0.0 * losses["reg"]}, shared)
-    assert not zero_first.initialized
+    zero_first.balance({**losses, "reg": 0.0 * losses["reg"]}, shared)
+    reg = list(losses).index("reg")
+    assert not zero_first.initialized and torch.isnan(zero_first.initial_losses[reg])
+    assert zero_first.last_ratios.isfinite().all()
+    zero_first.balance(losses, shared)
+    assert zero_first.initialized and zero_first.initial_losses[reg] == losses["reg"].item()
 
     gradnorm = GradNorm(4).double()
     gradnorm.balance(losses, shared)

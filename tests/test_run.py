@@ -85,11 +85,15 @@ def _final_weights(run_dir: Path) -> dict[str, torch.Tensor]:
     return torch.load(run_dir / "model_final.pth", weights_only=False)["model"]
 
 
-@pytest.mark.parametrize("dropblock", [False, True], ids=["plain", "dropblock"])
-def test_resumed_run_reaches_the_same_weights(tiny_toy_root, tmp_path, caplog, monkeypatch, dropblock):
+@pytest.mark.parametrize("variant", ["plain", "dropblock+gradnorm"])
+def test_resumed_run_reaches_the_same_weights(tiny_toy_root, tmp_path, caplog, monkeypatch, variant):
     # With DropBlock the adversary's optimizer state is restored too, and its samples come from the
-    # restored RNG stream.
-    extra = {"data.test.batch_size": 6, "random_baseline": "false", "model.dropblock": str(dropblock).lower()}
+    # restored RNG stream; with GradNorm its weights, recorded initial losses and Adam state.
+    dropblock = variant != "plain"
+    extra = {
+        "data.test.batch_size": 6, "random_baseline": "false", "model.dropblock": str(dropblock).lower(),
+        "solver.gradnorm.enabled": str(dropblock).lower(),
+    }  # fmt: skip
     straight = tmp_path / "straight"
     train_from_config(_config(tiny_overrides(tiny_toy_root, straight, **extra)))
 
@@ -119,7 +123,7 @@ def test_resumed_run_reaches_the_same_weights(tiny_toy_root, tmp_path, caplog, m
     # The interrupted run really diverged from scratch: the weights moved between iterations 2 and 4.
     two = torch.load(interrupted / "model_0000002.pth", weights_only=False)
     assert any(not torch.equal(two["model"][n], v) for n, v in reference.items() if v.is_floating_point())
-    assert ("adversary" in two) == dropblock
+    assert ("adversary" in two) == ("balancer" in two) == dropblock
     if dropblock:  # the adversarial step moved the DropBlock between iterations 2 and 4
         moved = [n for n, v in reference.items() if "dropblock" in n and not torch.equal(two["model"][n], v)]
         assert moved

@@ -3,6 +3,7 @@
 Examples:
     python tools/benchmark_rois.py --model r50_c4 --rois 64,128,256 --strategies plain,paper,fused
     python tools/benchmark_rois.py --model r50_c4 --rois 128,256 --strategies fused --dropblock
+    python tools/benchmark_rois.py --model r50_c4 --rois 1000 --strategies fused --gradnorm
     python tools/benchmark_rois.py --device cuda --rois 500,1000,2000,4000 --chunk 250,500 \
         --dtypes fp32,bf16 --budget-gb 16 --out benchmark_out/h200
 
@@ -17,7 +18,6 @@ from pathlib import Path
 import torch
 
 from wsod.benchmarks.rois import (
-    DROPBLOCK_SUFFIX,
     MODELS,
     STRATEGIES,
     format_table,
@@ -26,9 +26,9 @@ from wsod.benchmarks.rois import (
     plot,
     predicted_max_rois,
     slopes,
+    split_variant,
     strategy_label,
     summarize,
-    with_dropblock,
     write_csv,
     write_markdown,
 )
@@ -66,14 +66,21 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="also measure each strategy with Concrete DropBlock: its step adds the adversarial second"
         " forward and backward (reported as '<strategy>+dropblock')",
     )
+    parser.add_argument(
+        "--gradnorm",
+        action="store_true",
+        help="also measure each strategy with GradNorm, in wsod's order ('+gradnorm': per-loss norms at"
+        " the ROI features, then one backward) and in the usual one ('+gradnorm_retain': the full"
+        " backward with retain_graph, then one gradient per loss)",
+    )
     parser.add_argument("--out", type=Path, default=Path("benchmark_out"), help="output directory")
     args = parser.parse_args(argv)
     args.strategies = [s for s in args.strategies.split(",") if s]
     unknown = set(args.strategies) - set(STRATEGIES)
     if unknown:
         parser.error(f"unknown strategies {sorted(unknown)}; choose from {STRATEGIES}")
-    if args.dropblock:
-        args.strategies = [s + suffix for s in args.strategies for suffix in ("", DROPBLOCK_SUFFIX)]
+    variants = [""] + ["+dropblock"] * args.dropblock + ["+gradnorm", "+gradnorm_retain"] * args.gradnorm
+    args.strategies = [s + variant for s in args.strategies for variant in variants]
     args.dtypes = [d for d in args.dtypes.split(",") if d]
     if set(args.dtypes) - {"fp32", "bf16"}:
         parser.error("--dtypes takes fp32 and/or bf16")
@@ -95,7 +102,7 @@ def main(argv: list[str] | None = None) -> None:
     runs = [
         (strategy, chunk, dtype == "bf16")
         for strategy in args.strategies
-        for chunk in (args.chunk if with_dropblock(strategy)[0] in ("paper", "fused") else [None])
+        for chunk in (args.chunk if split_variant(strategy)[0] in ("paper", "fused") else [None])
         for dtype in args.dtypes
     ]
     measurements = []

@@ -19,6 +19,7 @@ from wsod.data.voc import VOCDataset
 from wsod.distributed import main_process_first
 from wsod.engine.adversarial import DropBlockAdversary
 from wsod.engine.amp import resolve_amp
+from wsod.engine.balancing import LossBalancer
 from wsod.engine.checkpoint import load_checkpoint
 from wsod.engine.evaluate import Evaluator
 from wsod.engine.solver import build_optimizer as _build_optimizer
@@ -38,6 +39,7 @@ __all__ = [
     "build_evaluator",
     "build_optimizer",
     "build_adversary",
+    "build_balancer",
     "build_scheduler",
 ]
 
@@ -209,6 +211,17 @@ def build_optimizer(solver_cfg: DictConfig, model: torch.nn.Module) -> torch.opt
         bias_weight_decay=solver_cfg.bias_weight_decay,
         exclude=dropblock.parameters() if dropblock is not None else (),
     )
+
+
+def build_balancer(
+    solver_cfg: DictConfig, model: WeaklySupervisedDetector, device: torch.device
+) -> LossBalancer | None:
+    """GradNorm loss weights (``solver.gradnorm``) for the detector's 1 + 2K losses, or None when off."""
+    settings = solver_cfg.gradnorm
+    if not settings.enabled:
+        return None
+    num_losses = 1 + 2 * len(model.students)  # the MIL loss, then each student's cls and box losses
+    return LossBalancer(num_losses, alpha=settings.alpha, lr=settings.lr).to(device)
 
 
 def build_adversary(

@@ -224,6 +224,9 @@ TRAIN_RULES: dict[str, _Rule] = {
     "solver.dropblock.warmup_iters": _integer(0),
     "solver.dropblock.warmup_factor": _number(0, 1, above=True),
     "solver.dropblock.weight": _number(0),
+    "solver.gradnorm.enabled": _FLAG,
+    "solver.gradnorm.alpha": _number(0),
+    "solver.gradnorm.lr": _number(0, above=True),
 }
 
 EVAL_RULES: dict[str, _Rule] = {**_COMMON}

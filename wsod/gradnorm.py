@@ -101,8 +101,9 @@ class GradNorm(nn.Module):
 
         A loss that does not depend on ``shared`` (or needs no gradient at all) has G_i = 0: its weight
         gets no gradient from L_grad (it only moves with ``renormalize()``) and its 0 still counts in
-        mean_j G_j. The initial losses must be finite and positive (r_i divides by them); a zero first
-        loss, e.g. a box loss on a batch without positives, raises ``ValueError``.
+        mean_j G_j. Each loss's L_i(0) is recorded at the first call where it is finite and positive
+        (r_i divides by it): a box loss is zero on a batch without foreground ROIs, e.g. VOC images
+        whose objects are all difficult. Until then its relative rate L_i / L_i(0) counts as 1.
         """
         names, values = self._unpack(losses)
         if not isinstance(shared, Tensor) or not shared.requires_grad:
@@ -111,7 +112,7 @@ class GradNorm(nn.Module):
                 " training forward, computed with grad mode on); got one that does not"
             )
         if not self.initialized:
-            self._record_initial_losses(names, values)
+            self._record_initial_losses(values)
 
         # The norms: ||d(w_i L_i)/dS|| = |w_i| * ||dL_i/dS||, since w_i is not in L_i's graph. Taking
         # dL_i/dS without create_graph is exact for the weight gradient and keeps no double-backward graph
@@ -126,7 +127,8 @@ class GradNorm(nn.Module):
         loss_values = torch.stack([loss.detach().to(self.initial_losses) for loss in values])
         with torch.enable_grad():
             norms = self.weights.abs() * unit_norms  # G_i, differentiable w.r.t. w_i
-            relative = loss_values / self.initial_losses
+            recorded = ~torch.isnan(self.initial_losses)
+            relative = torch.where(recorded, loss_values / self.initial_losses, torch.ones_like(loss_values))
             # All losses at zero would make the mean zero; a tiny floor gives r = 0 instead of NaN.
             ratios = relative / relative.mean().clamp_min(torch.finfo(relative.dtype).tiny)
             targets = norms.detach().mean() * ratios.to(norms.dtype) ** self.alpha
@@ -176,16 +178,11 @@ class GradNorm(nn.Module):
                 )
         return names, values
 
-    def _record_initial_losses(self, names: tuple[str, ...] | None, values: list[Tensor]) -> None:
-        initial = torch.stack([loss.detach().to(self.initial_losses) for loss in values])
-        bad = [i for i, v in enumerate(initial.tolist()) if not (v > 0 and v < float("inf"))]
-        if bad:
-            listed = ", ".join(f"{self._label(names, i)}={initial[i].item()}" for i in bad)
-            raise ValueError(
-                "GradNorm: the initial losses must be finite and positive (GradNorm divides each loss by"
-                f" its first value); got {listed}. Start from a batch where every loss is positive."
-            )
-        self.initial_losses.copy_(initial)
+    def _record_initial_losses(self, values: list[Tensor]) -> None:
+        """Record L_i(0) for each loss not recorded yet whose value is finite and positive."""
+        current = torch.stack([loss.detach().to(self.initial_losses) for loss in values])
+        usable = torch.isnan(self.initial_losses) & torch.isfinite(current) & (current > 0)
+        self.initial_losses.copy_(torch.where(usable, current, self.initial_losses))
 
     @staticmethod
     def _unit_norm(loss: Tensor, shared: Tensor) -> Tensor:

@@ -17,6 +17,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from wsod.build import (
     build_adversary,
+    build_balancer,
     build_evaluator,
     build_model,
     build_optimizer,
@@ -131,6 +132,7 @@ def _train_in(run_dir: Path, cfg: DictConfig, device: torch.device) -> dict[str,
     optimizer = build_optimizer(cfg.solver, model)
     scheduler = build_scheduler(cfg.solver, optimizer)
     adversary = build_adversary(cfg.solver, model, device)
+    balancer = build_balancer(cfg.solver, model, device)
     wrapped = model
     if get_world_size() > 1:
         wrapped = torch.nn.parallel.DistributedDataParallel(
@@ -151,8 +153,8 @@ def _train_in(run_dir: Path, cfg: DictConfig, device: torch.device) -> dict[str,
         max_iter=cfg.solver.max_iter, run_dir=run_dir, device=device, accumulation=cfg.solver.accumulation,
         amp=cfg.solver.amp, resume_from=resume_from, checkpoint_period=cfg.checkpoint_period,
         keep_checkpoints=cfg.keep_checkpoints, log_period=cfg.log_period, eval_period=cfg.eval_period,
-        evaluator=evaluator, adversary=adversary, max_nonfinite=cfg.max_nonfinite, progress=cfg.progress,
-        metadata=metadata,
+        evaluator=evaluator, adversary=adversary, balancer=balancer, max_nonfinite=cfg.max_nonfinite,
+        progress=cfg.progress, metadata=metadata,
     )  # fmt: skip
 
     # model_final.pth is on disk: a failing evaluation loses no work, and says how to redo it alone.

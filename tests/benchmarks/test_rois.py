@@ -76,13 +76,16 @@ def test_cuda_budget_passes_an_integer_device_index(monkeypatch):
     assert all(type(device) is int for _, device in calls)
 
 
-def test_dropblock_flag_measures_each_strategy_with_its_adversarial_step(tmp_path, capsys):
+def test_dropblock_and_gradnorm_flags_measure_each_variant_against_the_plain_step(tmp_path, capsys):
     out = tmp_path / "bench"
     _load_tool().main(
         ["--model", "r18_c4", "--rois", "8", "--image-size", "96,128", "--strategies", "fused",
-         "--chunk", "4", "--steps", "1", "--warmup", "0", "--dropblock", "--out", str(out)]
+         "--chunk", "4", "--steps", "1", "--warmup", "0", "--dropblock", "--gradnorm", "--out", str(out)]
     )  # fmt: skip
     with open(out / "results.csv") as handle:
         rows = {r["strategy"]: r for r in csv.DictReader(handle)}
-    assert set(rows) == {"fused", "fused+dropblock"} and all(r["status"] == "ok" for r in rows.values())
-    assert "time ratio fused+dropblock (chunk 4) / without DropBlock at 8 ROIs" in capsys.readouterr().out
+    variants = {"fused", "fused+dropblock", "fused+gradnorm", "fused+gradnorm_retain"}
+    assert set(rows) == variants and all(r["status"] == "ok" for r in rows.values())
+    printed = capsys.readouterr().out
+    for variant in ("dropblock", "gradnorm", "gradnorm_retain"):
+        assert f"fused+{variant} (chunk 4) / without +{variant} at 8 ROIs: time" in printed

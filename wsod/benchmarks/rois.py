@@ -32,13 +32,14 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from wsod.engine.adversarial import DropBlockAdversary
+from wsod.engine.balancing import LossBalancer
 from wsod.engine.solver import build_scheduler
 from wsod.modeling.detector import WeaklySupervisedDetector, build_backbone, detector_from_backbone
 
 __all__ = [
     "STRATEGIES",
-    "DROPBLOCK_SUFFIX",
-    "with_dropblock",
+    "VARIANTS",
+    "split_variant",
     "MODELS",
     "Measurement",
     "build_benchmark_model",
@@ -58,7 +59,7 @@ __all__ = [
 ]
 
 STRATEGIES = ("plain", "checkpoint", "paper", "fused")
-DROPBLOCK_SUFFIX = "+dropblock"
+VARIANTS = ("dropblock", "gradnorm", "gradnorm_retain")
 # The DropBlock scorer's hidden width per model, as its config (configs/model/*.yaml) sets it.
 DROPBLOCK_HIDDEN = {"r50_c4": 256, "r101_c4": 256}
 MODELS = {"r18_c4": "resnet18", "r50_c4": "resnet50", "r101_c4": "resnet101", "vgg16": "vgg16"}
@@ -96,12 +97,19 @@ class _CheckpointedNeck(nn.Module):
         return checkpoint(self.module, x, use_reentrant=False)
 
 
-def with_dropblock(strategy: str) -> tuple[str, bool]:
-    """``"fused+dropblock"`` -> ``("fused", True)``: a strategy measured with Concrete DropBlock, whose
-    training step is the detector's step plus the adversarial DropBlock step (a second forward and
-    backward of the same image)."""
-    base = strategy.removesuffix(DROPBLOCK_SUFFIX)
-    return base, base != strategy
+def split_variant(strategy: str) -> tuple[str, str | None]:
+    """``"fused+dropblock"`` -> ``("fused", "dropblock")``; ``"fused"`` -> ``("fused", None)``.
+
+    Variants of a training step, each measured against the same strategy without it:
+    ``dropblock``: Concrete DropBlock, plus the adversarial step (a second forward and backward);
+    ``gradnorm``: GradNorm in wsod's order (per-loss norms at the ROI features, then one backward);
+    ``gradnorm_retain``: GradNorm in the usual order (the full backward with ``retain_graph=True``, then
+    one ``create_graph`` gradient per loss), the graph kept alive throughout.
+    """
+    base, _, variant = strategy.partition("+")
+    if variant and variant not in VARIANTS:
+        raise ValueError(f"unknown variant '+{variant}': expected one of {VARIANTS}")
+    return base, variant or None
 
 
 def build_benchmark_model(model: str, strategy: str, chunk: int | None) -> WeaklySupervisedDetector:
@@ -109,7 +117,7 @@ def build_benchmark_model(model: str, strategy: str, chunk: int | None) -> Weakl
     20 classes."""
     if model not in MODELS:
         raise ValueError(f"unknown model '{model}': expected one of {sorted(MODELS)}")
-    strategy, dropblock = with_dropblock(strategy)
+    strategy, variant = split_variant(strategy)
     if strategy not in STRATEGIES:
         raise ValueError(f"unknown strategy '{strategy}': expected one of {STRATEGIES}")
     backbone = build_backbone(MODELS[model])
@@ -122,21 +130,29 @@ def build_benchmark_model(model: str, strategy: str, chunk: int | None) -> Weakl
         chunk_size=chunk if sequential else None,
         fuse_pooling=strategy != "paper",
         **ROI_POOLING.get(model, {}),
-        dropblock=dropblock,
+        dropblock=variant == "dropblock",
         dropblock_hidden=DROPBLOCK_HIDDEN.get(model),
     )
 
 
-def _optimizers(model: WeaklySupervisedDetector) -> tuple[torch.optim.Optimizer, DropBlockAdversary | None]:
-    """The detector's SGD and, with a DropBlock, the adversary with the reference's settings."""
+def _optimizers(
+    model: WeaklySupervisedDetector, variant: str | None, device: torch.device
+) -> tuple[torch.optim.Optimizer, DropBlockAdversary | LossBalancer | torch.Tensor | None]:
+    """The detector's SGD and what the variant needs: the DropBlock adversary (the reference's
+    settings), wsod's GradNorm, or the loss weights of the usual GradNorm order."""
     dropblock = list(model.dropblock.parameters()) if model.dropblock is not None else []
     detector_params = [p for p in model.parameters() if all(p is not q for q in dropblock)]
     optimizer = torch.optim.SGD(detector_params, lr=1e-4, momentum=0.9)
-    if not dropblock:
-        return optimizer, None
-    dropblock_optimizer = torch.optim.SGD(dropblock, lr=1e-4, momentum=0.9, weight_decay=1e-4)
-    scheduler = build_scheduler(dropblock_optimizer, milestones=[])
-    return optimizer, DropBlockAdversary(model, dropblock_optimizer, scheduler)
+    num_losses = 1 + 2 * len(model.students)
+    if variant == "dropblock":
+        dropblock_optimizer = torch.optim.SGD(dropblock, lr=1e-4, momentum=0.9, weight_decay=1e-4)
+        scheduler = build_scheduler(dropblock_optimizer, milestones=[])
+        return optimizer, DropBlockAdversary(model, dropblock_optimizer, scheduler)
+    if variant == "gradnorm":
+        return optimizer, LossBalancer(num_losses).to(device)
+    if variant == "gradnorm_retain":
+        return optimizer, torch.ones(num_losses, device=device, requires_grad=True)
+    return optimizer, None
 
 
 def synthetic_batch(
@@ -157,22 +173,52 @@ def synthetic_batch(
     }
 
 
+def _gradnorm_retain_graph(
+    losses: dict[str, torch.Tensor], shared: torch.Tensor, weights: torch.Tensor
+) -> None:
+    """GradNorm in the usual order, for comparison: the full backward of the weighted total with
+    ``retain_graph=True``, then one ``create_graph`` gradient per weighted loss at ``shared``, and the
+    weights' gradient; the whole graph stays alive until the end."""
+    values = list(losses.values())
+    total = sum(w * loss for w, loss in zip(weights, values, strict=True))
+    total.backward(retain_graph=True)
+    norms = []
+    for w, loss in zip(weights, values, strict=True):
+        (grad,) = torch.autograd.grad(w * loss, shared, retain_graph=True, create_graph=True)
+        norms.append(torch.linalg.vector_norm(grad))
+    norms = torch.stack(norms)
+    ratios = torch.ones_like(norms)  # the first step: every loss at its initial value
+    grad_loss = (norms - norms.detach().mean() * ratios).abs().sum()
+    (weights.grad,) = torch.autograd.grad(grad_loss, weights)
+
+
 def _training_step(
     model: nn.Module,
     optimizer: torch.optim.Optimizer,
     batch: dict,
     amp: bool,
-    adversary: DropBlockAdversary | None = None,
+    variant: str | None = None,
+    helper: DropBlockAdversary | LossBalancer | torch.Tensor | None = None,
 ) -> None:
+    """One step: forward, losses, backward (as ``variant`` says), SGD step; with ``dropblock`` the
+    adversarial DropBlock step after it."""
     device_type = batch["images"].device.type
-    with torch.autocast(device_type, dtype=torch.bfloat16, enabled=amp):
-        losses = model(**batch)
     optimizer.zero_grad(set_to_none=True)
-    sum(losses.values()).backward()
+    with torch.autocast(device_type, dtype=torch.bfloat16, enabled=amp):
+        losses, shared = model(**batch, return_features=True)
+    if variant == "gradnorm":
+        helper.weighted_total(losses, shared).backward()
+    elif variant == "gradnorm_retain":
+        _gradnorm_retain_graph(losses, shared, helper)
+    else:
+        sum(losses.values()).backward()
+    del losses, shared
     optimizer.step()
-    if adversary is not None:
+    if variant == "gradnorm":
+        helper.step()
+    if variant == "dropblock":
         with torch.autocast(device_type, dtype=torch.bfloat16, enabled=amp):
-            adversary.step([batch])
+            helper.step([batch])
 
 
 def _synchronize(device: torch.device) -> None:
@@ -207,7 +253,8 @@ def _run_measurement(
         device = cap_cuda_memory(device, memory_limit_mb)
     torch.manual_seed(0)
     model = build_benchmark_model(model_name, strategy, chunk).to(device).train()
-    optimizer, adversary = _optimizers(model)
+    variant = split_variant(strategy)[1]
+    optimizer, helper = _optimizers(model, variant, device)
     batch = synthetic_batch(image_size, rois, device)
     if device.type == "cuda":
         _synchronize(device)
@@ -221,17 +268,17 @@ def _run_measurement(
         for step in range(warmup + steps):
             _synchronize(device)
             start = time.perf_counter()
-            _training_step(model, optimizer, batch, amp, adversary)
+            _training_step(model, optimizer, batch, amp, variant, helper)
             _synchronize(device)
             if step >= warmup:
                 times.append(time.perf_counter() - start)
     except torch.cuda.OutOfMemoryError:  # the CUDA name: present in every torch this package supports
-        del model, optimizer, adversary, batch
+        del model, optimizer, helper, batch
         torch.cuda.empty_cache()
         return math.nan, math.nan, baseline, "oom"
     if device.type == "cuda":
         peak = torch.cuda.max_memory_allocated(device) / 2**20 - baseline
-        del model, optimizer, adversary, batch
+        del model, optimizer, helper, batch
         torch.cuda.empty_cache()
     else:
         peak = _peak_rss_mb() - baseline
@@ -314,7 +361,7 @@ def measure(
     peak, step_ms, baseline, status = result
     return Measurement(
         strategy=strategy,
-        chunk=chunk if with_dropblock(strategy)[0] in ("paper", "fused") else None,
+        chunk=chunk if split_variant(strategy)[0] in ("paper", "fused") else None,
         rois=rois,
         peak_mb=round(peak, 1),
         step_ms=round(step_ms, 1),
@@ -456,12 +503,16 @@ def summarize(measurements: Sequence[Measurement]) -> list[str]:
             ratio = m.step_ms / plain_ms[(m.dtype, m.rois)]
             lines.append(f"- time ratio {_label_of(m)} / plain at {m.rois} ROIs {m.dtype}: {ratio:.2f}")
     step_ms = {(m.strategy, m.chunk, m.dtype, m.rois): m.step_ms for m in measurements if m.status == "ok"}
+    peak_mb = {(m.strategy, m.chunk, m.dtype, m.rois): m.peak_mb for m in measurements if m.status == "ok"}
     for m in measurements:
-        base, dropblock = with_dropblock(m.strategy)
+        base, variant = split_variant(m.strategy)
         key = (base, m.chunk, m.dtype, m.rois)
-        if dropblock and m.status == "ok" and key in step_ms:
-            ratio = m.step_ms / step_ms[key]
-            lines.append(f"- time ratio {_label_of(m)} / without DropBlock at {m.rois} ROIs: {ratio:.2f}")
+        if variant and m.status == "ok" and key in step_ms:
+            time_ratio, memory_ratio = m.step_ms / step_ms[key], m.peak_mb / peak_mb[key]
+            lines.append(
+                f"- {_label_of(m)} / without +{variant} at {m.rois} ROIs: time {time_ratio:.2f},"
+                f" peak memory {memory_ratio:.2f}"
+            )
     return lines
 
 

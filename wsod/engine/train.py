@@ -28,6 +28,7 @@ from wsod.data.loader import model_inputs
 from wsod.distributed import all_reduce_mean, is_main_process
 from wsod.engine.adversarial import DropBlockAdversary
 from wsod.engine.amp import autocast, resolve_amp
+from wsod.engine.balancing import LossBalancer
 from wsod.engine.checkpoint import (
     list_checkpoints,
     load_checkpoint,
@@ -124,6 +125,7 @@ def train(
     eval_period: int = 0,
     evaluator: Evaluator | None = None,
     adversary: DropBlockAdversary | None = None,
+    balancer: LossBalancer | None = None,
     max_nonfinite: int = 10,
     progress: bool = True,
     metadata: dict[str, Any] | None = None,
@@ -149,6 +151,8 @@ def train(
         adversary: the adversarial DropBlock step (``DropBlockAdversary``), run after every applied
             detector step on the same batches; its optimizer state is checkpointed and its schedule
             stepped with the detector's.
+        balancer: GradNorm loss weights (``LossBalancer``): each batch's losses are weighted by it and
+            its weights updated after every applied step (state checkpointed, weights logged).
         max_nonfinite: abort after this many consecutive steps whose loss or gradient is not finite.
             Such a step is skipped: no parameter, buffer (BatchNorm statistics) or optimizer state
             changes; it is counted and logged. An update that makes a parameter non-finite stops the run
@@ -178,6 +182,8 @@ def train(
         scheduler.place(state["iteration"])
         if adversary is not None and "adversary" in checkpoint:
             adversary.load_state_dict(checkpoint["adversary"], state["iteration"])
+        if balancer is not None and "balancer" in checkpoint:
+            balancer.load_state_dict(checkpoint["balancer"])
         logger.info("resumed from %s at iteration %d", path, state["iteration"])
 
     # On a resume, rows and events logged after the checkpoint's iteration are dropped: they repeat.
@@ -194,6 +200,7 @@ def train(
             "rng": rng_state(),
             "trainer": dict(state),
             **({"adversary": adversary.state_dict()} if adversary is not None else {}),
+            **({"balancer": balancer.state_dict()} if balancer is not None else {}),
             "metadata": metadata or {},
         }
 
@@ -249,8 +256,12 @@ def train(
                     step_inputs.append(inputs)
                 sync = micro == accumulation - 1 or not isinstance(model, nn.parallel.DistributedDataParallel)
                 with model.no_sync() if not sync else nullcontext(), autocast(device, amp):
-                    losses = model(**inputs)
-                    total = sum(losses.values())
+                    if balancer is None:
+                        losses = model(**inputs)
+                        total = sum(losses.values())
+                    else:  # GradNorm measures at the ROI features, before the one backward
+                        losses, roi_features = model(**inputs, return_features=True)
+                        total = balancer.weighted_total(losses, roi_features)
                 scaler.scale(total / accumulation).backward()
                 for name, value in losses.items():
                     step_losses[name] = step_losses.get(name, 0) + value.detach() / accumulation
@@ -270,10 +281,15 @@ def train(
                 _check_parameters(model, state["iteration"] + 1)
                 if adversary is not None:
                     reduced["adversarial_loss"] = adversary.step(step_inputs)
+                if balancer is not None:
+                    balancer.step()
+                    reduced.update(balancer.weights())
             else:
                 consecutive_nonfinite += 1
                 state["skipped_steps"] += 1
                 _restore(buffers)
+                if balancer is not None:
+                    balancer.discard()
                 logger.warning(
                     "non-finite loss or gradient at iteration %d (%s): step skipped, weights unchanged"
                     " (%d skipped in total)", state["iteration"] + 1, reduced, state["skipped_steps"],

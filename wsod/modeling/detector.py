@@ -128,12 +128,19 @@ class WeaklySupervisedDetector(nn.Module):
         image_labels: Tensor | None = None,
         image_sizes: Sequence[ImageSize] | None = None,
         original_sizes: Sequence[ImageSize] | None = None,
-    ) -> dict[str, Tensor] | list[dict[str, Tensor]]:
-        """Losses in training mode, detections in eval mode (see the module docstring)."""
+        return_features: bool = False,
+    ) -> dict[str, Tensor] | tuple[dict[str, Tensor], Tensor] | list[dict[str, Tensor]]:
+        """Losses in training mode, detections in eval mode (see the module docstring).
+
+        ``return_features`` (training): also return the (R, D) ROI features the losses were computed
+        from, the boundary between the neck and the heads where GradNorm measures gradient norms
+        (``wsod.gradnorm``); through DistributedDataParallel too, which only sees ``forward``.
+        """
         self._check_inputs(images, proposals, image_labels)
         roi_features = self.roi_features(images, proposals)
         if self.training:
-            return self.losses(roi_features, proposals, image_labels)
+            losses = self.losses(roi_features, proposals, image_labels)
+            return (losses, roi_features) if return_features else losses
         padded = (images.shape[-2], images.shape[-1])
         image_sizes = image_sizes or [padded] * len(proposals)
         original_sizes = original_sizes or image_sizes
