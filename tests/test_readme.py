@@ -1,0 +1,114 @@
+"""Every command the README (and docs/BENCHMARKS.md, data/README.md) shows works as written.
+
+Commands are collected from fenced ``bash`` blocks (backslash continuations joined, comments dropped)
+and from inline code that starts with ``python tools/`` or ``torchrun``. For each:
+
+* ``tools/train.py``, ``tools/eval.py``, ``tools/predict.py``: the Hydra config is composed from the
+  command's own overrides and passes ``check_config``, so every key exists and every value is valid.
+  Placeholders (``...``, ``<run>``) are left out: they stand for the reader's own values.
+* the argparse tools (benchmarks, ``make_proposals.py``): their parser accepts the command's arguments.
+
+Running them is the job of other tests: the own-data block runs word for word in
+``tests/test_own_data.py``, each training feature runs in ``tests/test_run.py``, and the default toy run
+(``python tools/train.py``, about 20 minutes on 2 cores) runs word for word in the slow test below.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import re
+import shlex
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from hydra import compose, initialize_config_dir
+
+from wsod.config_checks import EVAL_RULES, PREDICT_RULES, TRAIN_RULES, check_config
+
+ROOT = Path(__file__).resolve().parents[1]
+DOCUMENTS = ("README.md", "docs/BENCHMARKS.md", "data/README.md")
+HYDRA_TOOLS = {
+    "train": ("train", TRAIN_RULES),
+    "eval": ("eval", EVAL_RULES),
+    "predict": ("predict", PREDICT_RULES),
+}
+
+
+def _commands(path: Path) -> list[str]:
+    text = path.read_text()
+    found = []
+    for block in re.findall(r"```bash\n(.*?)```", text, flags=re.S):
+        joined = re.sub(r"\\\n\s*", " ", block)
+        for line in joined.splitlines():
+            line = re.sub(r"\s+#.*$", "", line).strip()
+            if line:
+                found.append(line)
+    prose = re.sub(r"```.*?```", "", text, flags=re.S)
+    inline = (" ".join(m.split()) for m in re.findall(r"`([^`]+)`", prose))  # may wrap across lines
+    found += [m for m in inline if m.startswith(("python tools/", "torchrun "))]
+    return [c for c in found if "tools/" in c]
+
+
+COMMANDS = sorted({(doc, c) for doc in DOCUMENTS for c in _commands(ROOT / doc)})
+
+
+def _tool_and_arguments(command: str) -> tuple[str, list[str]]:
+    words = shlex.split(command)
+    index = next(i for i, w in enumerate(words) if w.startswith("tools/") and w.endswith(".py"))
+    return Path(words[index]).stem, words[index + 1 :]
+
+
+def _is_placeholder(word: str) -> bool:
+    return "..." in word or "<" in word
+
+
+class _Parsed(Exception):
+    """Raised instead of running a tool once its parser has accepted the arguments."""
+
+
+def test_the_documents_show_commands_of_every_kind():
+    tools = {_tool_and_arguments(c)[0] for _, c in COMMANDS}
+    assert {"train", "eval", "predict", "make_proposals", "benchmark_rois"} <= tools
+
+
+@pytest.mark.parametrize(("document", "command"), COMMANDS, ids=[f"{d}: {c[:70]}" for d, c in COMMANDS])
+def test_each_documented_command_is_valid(document, command, monkeypatch):
+    tool, arguments = _tool_and_arguments(command)
+    if tool in HYDRA_TOOLS:
+        config_name, rules = HYDRA_TOOLS[tool]
+        overrides = [a for a in arguments if not _is_placeholder(a)]
+        with initialize_config_dir(config_dir=str(ROOT / "configs"), version_base="1.3"):
+            cfg = compose(config_name=config_name, overrides=overrides)
+        check_config(cfg, rules)
+        return
+    spec = importlib.util.spec_from_file_location(f"tool_{tool}", ROOT / "tools" / f"{tool}.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    original = argparse.ArgumentParser.parse_args
+
+    def parse_then_stop(parser, args=None, namespace=None):
+        original(parser, args, namespace)
+        raise _Parsed
+
+    monkeypatch.setattr(argparse.ArgumentParser, "parse_args", parse_then_stop)
+    with pytest.raises(_Parsed):
+        module.main(arguments)
+
+
+@pytest.mark.slow
+def test_the_quick_start_trains_and_evaluates_word_for_word(tmp_path):
+    """``python tools/train.py`` as the quick start shows it, from a scratch working directory (the toy
+    data is generated there, as on a first use)."""
+    command = next(c for d, c in COMMANDS if d == "README.md" and c == "python tools/train.py")
+    words = shlex.split(command)
+    words[1] = str(ROOT / words[1])
+    result = subprocess.run(
+        [sys.executable, *words[1:]], cwd=tmp_path, capture_output=True, text=True, timeout=3600
+    )
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    assert "copypaste: mAP(voc07,iou=0.5)=" in result.stdout
+    (run_dir,) = (tmp_path / "runs").iterdir()
+    assert (run_dir / "model_final.pth").is_file() and (run_dir / "eval" / "metrics.json").is_file()
