@@ -78,6 +78,11 @@ def _better_best(a: dict[str, Any] | None, b: dict[str, Any] | None) -> dict[str
     return a
 
 
+def _short(value: float) -> str:
+    """A log number: 4 decimals, or 3 significant digits for small ones (a learning rate of 3e-5)."""
+    return f"{value:.4f}" if value == 0 or abs(value) >= 1e-3 else f"{value:.3e}"
+
+
 def _copy_buffers(model: nn.Module) -> list[tuple[torch.Tensor, torch.Tensor]]:
     """(buffer, copy) of every buffer (BatchNorm running statistics and counters, a few kilobytes): a
     forward pass updates them even when its loss turns out non-finite."""
@@ -313,7 +318,7 @@ def train(
                 bar.set_postfix(loss=f"{reduced['loss_total']:.4f}", lr=f"{values['lr']:.2e}")
                 logger.info(
                     "iter %d/%d  %s  lr %.3e  %.2f s/it", state["iteration"], max_iter,
-                    "  ".join(f"{k} {v:.4f}" for k, v in reduced.items()), values["lr"], seconds,
+                    "  ".join(f"{k} {_short(v)}" for k, v in reduced.items()), values["lr"], seconds,
                 )  # fmt: skip
                 step_start = time.perf_counter()
             if consecutive_nonfinite >= max_nonfinite:  # after logging the step, before saving anything
