@@ -278,24 +278,27 @@ def build_backbone(name: str, **options) -> Backbone:
 def detector_from_backbone(
     backbone: Backbone,
     num_classes: int,
-    chunk_size: int | None = 256,
+    chunk_size: int | str | None = 256,
     *,
     test_chunk_size: int | None = None,
     pooler: str = "align",
     roi_size: int = 14,
     fuse_pooling: bool = True,
+    memory_budget_gb: float | None = None,
     num_students: int = 3,
     **detector_options,
 ) -> WeaklySupervisedDetector:
     """The detector on a built ``Backbone``: ROI pooler at ``1 / backbone.stride``, the backbone's neck
-    under sequential backprop (``RoIFeatureHead``), the MIL teacher and ``num_students`` students of
-    width ``backbone.feature_dim``. ``detector_options`` go to ``WeaklySupervisedDetector``."""
+    under sequential backprop (``RoIFeatureHead``; ``chunk_size="auto"`` with ``memory_budget_gb``, see
+    ``wsod.modeling.chunking``), the MIL teacher and ``num_students`` students of width
+    ``backbone.feature_dim``. ``detector_options`` go to ``WeaklySupervisedDetector``."""
     roi_head = RoIFeatureHead(
         build_roi_pooler(pooler, output_size=roi_size, spatial_scale=1 / backbone.stride),
         backbone.neck,
         chunk_size=chunk_size,
         inference_chunk_size=test_chunk_size,
         fuse_pooling=fuse_pooling,
+        memory_budget_gb=memory_budget_gb,
     )
     return WeaklySupervisedDetector(
         base=backbone.base,
@@ -309,12 +312,13 @@ def detector_from_backbone(
 def build_detector(
     backbone: str = "resnet50",
     num_classes: int = 20,
-    chunk_size: int | None = 256,
+    chunk_size: int | str | None = 256,
     *,
     test_chunk_size: int | None = None,
     pooler: str = "align",
     roi_size: int = 14,
     fuse_pooling: bool = True,
+    memory_budget_gb: float | None = None,
     num_students: int = 3,
     labeler: PseudoLabeler | None = None,
     first_student_loss_weight: float = 3.0,
@@ -323,12 +327,15 @@ def build_detector(
     detections_per_image: int = 100,
     **backbone_options,
 ) -> WeaklySupervisedDetector:
-    """One-line builder: ``build_detector("resnet50", num_classes=20, chunk_size=256)``.
+    """One-line builder: ``build_detector("resnet50", num_classes=20, chunk_size=256)``, or
+    ``chunk_size="auto"`` (plain autograd when a step's ROIs fit ``memory_budget_gb``, else the largest
+    chunk that does; on CUDA the budget may be ``None``: the free memory less a margin).
 
     ``backbone`` is a name of ``BACKBONES`` and ``backbone_options`` its builder's options (ResNet:
     ``width``, ``weights``, ``norm``, ``neck_norm``, ``freeze_at``; VGG16: ``weights``, ``freeze_at``,
     with ``pooler="pool", roi_size=7``); see ``detector_from_backbone`` for
-    the ROI head (``chunk_size``, ``test_chunk_size``, ``pooler``, ``roi_size``, ``fuse_pooling``) and
+    the ROI head (``chunk_size``, ``test_chunk_size``, ``pooler``, ``roi_size``, ``fuse_pooling``,
+    ``memory_budget_gb``) and
     ``WeaklySupervisedDetector`` for the rest.
     """
     return detector_from_backbone(
@@ -339,6 +346,7 @@ def build_detector(
         pooler=pooler,
         roi_size=roi_size,
         fuse_pooling=fuse_pooling,
+        memory_budget_gb=memory_budget_gb,
         num_students=num_students,
         labeler=labeler,
         first_student_loss_weight=first_student_loss_weight,
