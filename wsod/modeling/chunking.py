@@ -158,7 +158,10 @@ def _saved_bytes(
             saved[pointer] = nbytes
             if t.dim() and t.shape[0] == num_rois:
                 largest = max(largest, nbytes)
-        return t
+        # Kept as autograd would keep it, so that no storage is freed and its address reused during the
+        # forward; detached, because a saved output returned as itself would hold its own grad_fn: a
+        # reference cycle through C++ autograd nodes that no garbage collection frees.
+        return t.detach()
 
     with torch.enable_grad(), torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
         out = module(*inputs)
