@@ -25,10 +25,11 @@ precision (autocast), without a backward:
 
 The estimate is deterministic and the same on every device; it needs no backward (so no gradient is
 touched and DistributedDataParallel's hooks never fire) and no allocator statistics (CPU has none). It
-was checked against real peaks: ResNet-50 res5 with fused 14x14 RoIAlign, float32, on CPU: estimate
-2.78 + 1.57 = 4.35 MB per ROI, peak resident memory of forward + backward 4.32 MB per ROI. In bf16
-the estimate is conservative (1.77 + 1.57 = 3.34 against 2.15 MB per ROI measured for plain autograd:
-RoIAlign's output stays float32 under autocast). CUDA's own peak (``max_memory_allocated`` around a
+was checked against real peaks (MB = 2^20 bytes): ResNet-50 res5 with fused 14x14 RoIAlign, float32, on
+CPU: estimate 2.78 + 1.53 = 4.31 MB per ROI, against 4.32 MB per ROI of peak resident memory for the
+body's forward + backward alone and for a whole plain-autograd training step (docs/BENCHMARKS.md). In
+bf16 the estimate is conservative (1.77 + 1.53 = 3.30 against 2.15 MB per ROI measured for plain
+autograd: RoIAlign's output stays float32 under autocast). CUDA's own peak (``max_memory_allocated`` around a
 probe's forward and backward) is not used: it would need a backward through the neck's parameters at
 start-up and depends on cuDNN's workspace choices for 8 ROIs rather than thousands; the GPU check
 (``tools/gpu_check.sh``) reports auto's real peaks against its budget instead.
