@@ -451,6 +451,8 @@ def summarize(measurements: Sequence[Measurement]) -> list[str]:
     for m in measurements:
         if m.strategy != "plain" and m.status == "ok" and (m.dtype, m.rois) in plain_ms:
             ratio = m.step_ms / plain_ms[(m.dtype, m.rois)]
+            if math.isnan(ratio):  # memory only (--steps 0)
+                continue
             lines.append(f"- time ratio {_label_of(m)} / plain at {m.rois} ROIs {m.dtype}: {ratio:.2f}")
     return lines + _auto_lines(measurements)
 
@@ -531,7 +533,8 @@ def write_markdown(measurements: Sequence[Measurement], path: Path, extra: str =
         "| strategy | " + " | ".join(f"{r} ROIs: MB / ms" for r in rois) + " | MB per ROI |",
         "|---" * (len(rois) + 2) + "|",
     ]
-    for label, row in _cells(measurements, lambda m: f"{m.peak_mb:.0f} / {m.step_ms:.0f}", "").items():
+    cell = lambda m: f"{m.peak_mb:.0f} / " + ("-" if math.isnan(m.step_ms) else f"{m.step_ms:.0f}")
+    for label, row in _cells(measurements, cell, "").items():
         slope = f"{fit[label][0]:.3f}" if label in fit else ""
         lines.append(f"| {label} | " + " | ".join(row) + f" | {slope} |")
     Path(path).write_text("\n".join(lines) + "\n" + (f"\n{extra}\n" if extra else ""))
@@ -544,16 +547,21 @@ def plot(measurements: Sequence[Measurement], path: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    figure, (memory_axis, time_axis) = plt.subplots(1, 2, figsize=(11, 4.2))
-    for label, ms in _by_label(measurements, ok_only=True).items():
+    timed = any(not math.isnan(m.step_ms) for m in measurements)  # else memory only (--steps 0)
+    figure, axes = plt.subplots(1, 2 if timed else 1, figsize=(11 if timed else 6, 4.2), squeeze=False)
+    memory_axis, time_axis = axes[0][0], axes[0][-1] if timed else None
+    for index, (label, ms) in enumerate(_by_label(measurements, ok_only=True).items()):
         x = [m.rois for m in ms]
-        memory_axis.plot(x, [m.peak_mb for m in ms], marker="o", label=label)
-        time_axis.plot(x, [m.step_ms for m in ms], marker="o", label=label)
+        style = dict(marker="os^vD<>"[index % 7], label=label)  # equal lines stay visible
+        memory_axis.plot(x, [m.peak_mb for m in ms], **style)
+        if timed:
+            time_axis.plot(x, [m.step_ms for m in ms], **style)
     first = measurements[0]
     title = f"{first.model}, {first.image_size}, {first.device}"
     memory_axis.set(xlabel="ROIs per image", ylabel="peak memory above baseline (MB)", title=title)
-    time_axis.set(xlabel="ROIs per image", ylabel="training step (ms)", title=title)
-    for axis in (memory_axis, time_axis):
+    if timed:
+        time_axis.set(xlabel="ROIs per image", ylabel="training step (ms)", title=title)
+    for axis in axes[0]:
         axis.grid(alpha=0.3)
     memory_axis.legend(fontsize=8)
     figure.tight_layout()
