@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 import os
 import shutil
 import subprocess
@@ -213,3 +214,20 @@ def test_method_oicr_switches_the_refinement_method_from_the_command_line(tiny_t
     model, metadata = load_detector(run_dir / "model_final.pth")
     assert metadata["method"] == {"name": "oicr", "fg_iou": 0.5}
     assert type(model.labeler).__name__ == "OICRLabeler"
+
+
+def test_chunk_size_auto_from_the_command_line_logs_its_choice_and_its_checkpoint_evaluates(
+    tiny_toy_root, tmp_path
+):
+    # A budget of about 100 ROIs of this model's neck (0.24 MB per ROI in float32): the toy images'
+    # Selective Search proposals (several hundred) are chunked.
+    run_dir = tmp_path / "auto"
+    extra = {"model.chunk_size": "auto", "model.memory_budget_gb": 0.025, "solver.max_iter": 2,
+             "solver.milestones": "[1]", "random_baseline": "false"}  # fmt: skip
+    summary = train_from_config(_config(tiny_overrides(tiny_toy_root, run_dir, **extra)))
+    assert summary["iteration"] == 2 and all(map(math.isfinite, summary["losses"].values()))
+    log = (run_dir / "log.txt").read_text()
+    assert "chunk_size=auto: budget 0.025 GB (memory_budget_gb=0.025)" in log
+    assert "MB per ROI in float32" in log and "sequential backprop in chunks of" in log
+    model, metadata = load_detector(run_dir / "model_final.pth")
+    assert metadata["model"]["chunk_size"] == "auto" and model.roi_head.memory_budget_gb == 0.025

@@ -6,6 +6,8 @@ Examples:
     python tools/benchmark_rois.py --model r50_c4 --rois 1000 --strategies fused --gradnorm
     python tools/benchmark_rois.py --device cuda --rois 500,1000,2000,4000 --chunk 250,500 \
         --dtypes fp32,bf16 --budget-gb 16 --out benchmark_out/h200
+    python tools/benchmark_rois.py --model r50_c4 --rois 256,512 --strategies plain,fused,auto \
+        --chunk 8 --auto-budget-gb 4,0.5          # chunk_size=auto with a budget that fits, a tight one
 
 Prints a table and writes results.csv, results.md and memory_time.png into --out.
 """
@@ -38,6 +40,10 @@ def _ints(text: str) -> list[int]:
     return [int(v) for v in text.split(",") if v]
 
 
+def _budgets(text: str) -> list[float | None]:
+    return [None if v.lower() in ("none", "null") else float(v) for v in text.split(",") if v]
+
+
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -57,7 +63,16 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument(
         "--budget-max-rois", type=int, default=16384, help="stop the budget search here (reported as '>=')"
     )
-    parser.add_argument("--steps", type=int, default=3, help="timed steps per measurement (median reported)")
+    parser.add_argument(
+        "--auto-budget-gb",
+        type=_budgets,
+        default=[None],
+        help="comma list of model.memory_budget_gb values for the auto strategy, one row set each; 'none':"
+        " the CUDA free memory less the margin (CUDA only)",
+    )
+    parser.add_argument(
+        "--steps", type=int, default=3, help="timed steps per measurement (median reported); 0: memory only"
+    )
     parser.add_argument("--warmup", type=int, default=1, help="untimed steps before them")
     parser.add_argument("--threads", type=int, default=None, help="torch intra-op threads (CPU)")
     parser.add_argument(
@@ -86,6 +101,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         parser.error("--dtypes takes fp32 and/or bf16")
     height, width = _ints(args.image_size)
     args.image_size = (height, width)
+    if "auto" in args.strategies and None in args.auto_budget_gb and torch.device(args.device).type != "cuda":
+        parser.error("the auto strategy off CUDA needs --auto-budget-gb with numbers (GB), e.g. 4,0.5")
     return args
 
 
@@ -99,23 +116,28 @@ def main(argv: list[str] | None = None) -> None:
         warmup=args.warmup,
         threads=args.threads,
     )
+    if args.steps == 0:  # memory only: no timing process (CPU) and no timed steps
+        options.update(steps=1, timed=False)
     runs = [
-        (strategy, chunk, dtype == "bf16")
+        (strategy, chunk, dtype == "bf16", budget)
         for strategy in args.strategies
         for chunk in (args.chunk if split_variant(strategy)[0] in ("paper", "fused") else [None])
+        for budget in (args.auto_budget_gb if split_variant(strategy)[0] == "auto" else [None])
         for dtype in args.dtypes
     ]
     measurements = []
     # ROI count outermost, so that a change in machine load hits every strategy alike.
     for rois in args.rois:
-        for strategy, chunk, amp in runs:
-            m = measure(args.model, strategy, chunk, rois, amp=amp, **options)
+        for strategy, chunk, amp, budget in runs:
+            m = measure(args.model, strategy, chunk, rois, amp=amp, auto_budget_gb=budget, **options)
             measurements.append(m)
+            chose = f" auto chose {m.auto_chunk} ({m.auto_mb_per_roi} MB/ROI)" if strategy == "auto" else ""
             print(
                 f"{strategy:<10} chunk={chunk!s:<5} {m.dtype} rois={rois:<6} peak={m.peak_mb:>9.1f} MB "
-                f"step={m.step_ms:>9.1f} ms {m.status}",
+                f"step={m.step_ms:>9.1f} ms {m.status}{chose}",
                 flush=True,
             )
+            write_csv(measurements, args.out / "results.csv")  # partial results survive an interruption
 
     summary = summarize(measurements)
     if args.budget_gb:
@@ -126,14 +148,14 @@ def main(argv: list[str] | None = None) -> None:
         ]
         fit = slopes(measurements)
         baseline = max(m.baseline_mb for m in measurements)
-        for strategy, chunk, amp in runs:
-            label = strategy_label(strategy, chunk, amp)
+        for strategy, chunk, amp, budget in runs:
+            label = strategy_label(strategy, chunk, amp, budget)
             start = max(args.rois)
             if label in fit and fit[label][0] > 0:  # start the search near half the linear prediction
                 start = max(1, int(predicted_max_rois(*fit[label], baseline, args.budget_gb) / 2))
             found = largest_within_budget(
                 args.model, strategy, chunk, amp, budget_gb=args.budget_gb, max_rois=args.budget_max_rois,
-                start=start, **options,
+                start=start, auto_budget_gb=budget, **options,
             )  # fmt: skip
             summary.append(f"- {label}: {'>= ' if found == args.budget_max_rois else ''}{found}")
 

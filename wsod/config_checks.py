@@ -186,7 +186,12 @@ TRAIN_RULES: dict[str, _Rule] = {
     "model.freeze_at": _integer(0, 5),
     "model.pooler": _choice("align", "pool"),
     "model.roi_size": _integer(1),
-    "model.chunk_size": _integer(1, optional=True),
+    "model.chunk_size": _Rule(
+        lambda v: v is None or v == "auto" or (_is_int(v) and v >= 1), "null, auto or an integer >= 1"
+    ),
+    "model.memory_budget_gb": _Rule(
+        lambda v: v is None or (_is_number(v) and v > 0), "null or a number > 0 (GB, with chunk_size=auto)"
+    ),
     "model.test_chunk_size": _integer(1, optional=True),
     "model.fuse_pooling": _FLAG,
     "model.num_students": _integer(1),
@@ -286,8 +291,31 @@ def check_config(cfg: DictConfig | Mapping[str, Any], rules: Mapping[str, _Rule]
             " after the last iteration never happens (shorten them too, e.g."
             f" solver.milestones=[{max(1, max_iter * 4 // 5)}])"
         )
+    if rules is TRAIN_RULES:
+        problems += _auto_chunk_problems(flat)
     if problems:
         raise ConfigError("invalid configuration:\n  " + "\n  ".join(problems))
+
+
+def _auto_chunk_problems(flat: Mapping[str, Any]) -> list[str]:
+    """``model.memory_budget_gb`` belongs to ``model.chunk_size=auto``, which needs it off CUDA."""
+    chunk, budget = flat.get("model.chunk_size"), flat.get("model.memory_budget_gb")
+    device = flat.get("device")
+    if budget is not None and chunk != "auto":
+        return [
+            f"model.memory_budget_gb={_show(budget)}: used only with model.chunk_size=auto (chunk_size is"
+            f" {_show(chunk)}); set model.chunk_size=auto or model.memory_budget_gb=null"
+        ]
+    if chunk != "auto" or budget is not None or device is None or not _device(device):
+        return []
+    on_cuda = torch.cuda.is_available() if device == "auto" else torch.device(device).type == "cuda"
+    if not on_cuda:
+        return [
+            f"model.chunk_size=auto on device={_show(device)} (no CUDA) needs model.memory_budget_gb: the GB"
+            " the ROI pooling and neck may use (only CUDA measures its free memory), e.g."
+            " model.memory_budget_gb=4"
+        ]
+    return []
 
 
 # What a resumed run may not change: the saved weights, optimizer state and position in the data belong
@@ -308,7 +336,13 @@ _FIXED_ON_RESUME = {
     "model": "the saved weights belong to the saved architecture",
 }
 # Inside those prefixes, these may change: they do not touch weights or data order.
-_FREE_ON_RESUME = ("data.train.num_workers", "model.chunk_size", "model.test_chunk_size", "model.weights")
+_FREE_ON_RESUME = (
+    "data.train.num_workers",
+    "model.chunk_size",
+    "model.test_chunk_size",
+    "model.memory_budget_gb",
+    "model.weights",
+)
 
 
 def resume_changes(saved: Mapping[str, Any] | DictConfig, new: Mapping[str, Any] | DictConfig) -> list[str]:

@@ -263,11 +263,26 @@ class SequentialBackprop(nn.Module):
             f" shared_inputs={sorted(self.shared_inputs)}"
         )
 
-    def forward(self, *inputs: Any) -> Tensor:
-        params = [p for p in self.module.parameters() if p.requires_grad]
+    def needs_grad(self, *inputs: Any) -> bool:
+        """Whether a call on ``inputs`` builds a graph: grad mode on and a parameter or input requiring
+        grad. Decides between ``chunk_size`` (with the autograd Function) and ``inference_chunk_size``."""
+        params = any(p.requires_grad for p in self.module.parameters())
         any_input_grad = any(isinstance(x, Tensor) and x.requires_grad for x in inputs)
-        needs_grad = torch.is_grad_enabled() and (bool(params) or any_input_grad)
-        chunk_size = self.chunk_size if needs_grad else self.inference_chunk_size
+        return torch.is_grad_enabled() and (params or any_input_grad)
+
+    def forward(self, *inputs: Any) -> Tensor:
+        needs_grad = self.needs_grad(*inputs)
+        return self.run(inputs, self.chunk_size if needs_grad else self.inference_chunk_size, needs_grad)
+
+    def run(self, inputs: Sequence[Any], chunk_size: int | None, needs_grad: bool | None = None) -> Tensor:
+        """``forward`` with a chunk size chosen by the caller for this call (``None``: one plain call of
+        the module), e.g. per step by ``chunk_size="auto"`` (``wsod.modeling.chunking``). With a graph
+        (``needs_grad``, computed when not given) chunks are recomputed in backward; without one the
+        module runs chunk by chunk under ``no_grad``."""
+        if chunk_size is not None and chunk_size < 1:
+            raise ValueError(f"chunk_size must be a positive integer or None, got {chunk_size}")
+        if needs_grad is None:
+            needs_grad = self.needs_grad(*inputs)
         if chunk_size is None:
             return self.module(*inputs)
         plan = _ChunkPlan(inputs, self.shared_inputs, chunk_size)
@@ -277,6 +292,7 @@ class SequentialBackprop(nn.Module):
             with torch.no_grad():
                 return torch.cat([self.module(*plan.chunk(inputs, start, end)) for start, end in plan.bounds])
         check_per_sample_module(self.module)
+        params = [p for p in self.module.parameters() if p.requires_grad]
         return _SequentialBackpropFunction.apply(
             self.module, plan, self.preserve_rng_state, len(inputs), *inputs, *params
         )

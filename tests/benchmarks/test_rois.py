@@ -10,7 +10,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from wsod.benchmarks.rois import cap_cuda_memory, find_max_rois, linear_fit
+from wsod.benchmarks.rois import build_benchmark_model, cap_cuda_memory, find_max_rois, linear_fit
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -89,3 +89,35 @@ def test_dropblock_and_gradnorm_flags_measure_each_variant_against_the_plain_ste
     printed = capsys.readouterr().out
     for variant in ("dropblock", "gradnorm", "gradnorm_retain"):
         assert f"fused+{variant} (chunk 4) / without +{variant} at 8 ROIs: time" in printed
+
+
+def test_auto_strategy_records_its_choice_and_memory_only_mode_skips_timing(tmp_path, capsys):
+    out = tmp_path / "bench"
+    _load_tool().main(
+        ["--model", "r18_c4", "--rois", "8,16", "--image-size", "96,128", "--strategies", "auto",
+         "--auto-budget-gb", "1,0.004", "--steps", "0", "--out", str(out)]
+    )  # fmt: skip
+    with open(out / "results.csv") as handle:
+        rows = [r for r in csv.DictReader(handle) if r["strategy"] == "auto"]
+    assert sorted((r["budget_gb"], int(r["rois"]), r["auto_chunk"]) for r in rows) == [
+        ("0.004", 8, "4"), ("0.004", 16, "4"), ("1.0", 8, "plain"), ("1.0", 16, "plain")
+    ]  # fmt: skip
+    assert all(r["step_ms"] == "nan" and float(r["auto_mb_per_roi"]) > 0 for r in rows)
+    assert "| auto (0.004 GB) |" in (out / "results.md").read_text()
+    printed = capsys.readouterr().out
+    assert "auto (1 GB) at 16 ROIs: plain autograd" in printed
+    assert "auto (0.004 GB) at 16 ROIs: chunks of 4" in printed
+
+
+def test_auto_off_cuda_needs_a_numeric_budget():
+    with pytest.raises(SystemExit):
+        _load_tool().parse_args(["--strategies", "auto"])
+    assert _load_tool().parse_args(["--strategies", "auto", "--auto-budget-gb", "4,none", "--device", "cuda"])
+
+
+def test_vgg16_benchmark_model_pools_7x7_with_roipool():
+    model = build_benchmark_model("vgg16", "auto", None, auto_budget_gb=1.0)
+    head = model.roi_head
+    assert head.auto and head.memory_budget_gb == 1.0
+    pooler = head.body.module.pooler
+    assert type(pooler).__name__ == "RoIPool" and pooler.output_size == 7

@@ -6,7 +6,11 @@ step) on a synthetic image with random proposals and labels, for one back-propag
 * ``plain``: plain autograd through ROI pooling and res5;
 * ``checkpoint``: ``torch.utils.checkpoint`` around res5 (recomputes all ROIs at once in backward);
 * ``paper``: sequential backprop around res5 only, the pooled (R, C4, 14, 14) tensor kept (the paper);
-* ``fused``: wsod's sequential backprop with pooling and res5 recomputed together.
+* ``fused``: wsod's sequential backprop with pooling and res5 recomputed together;
+* ``auto``: ``chunk_size="auto"`` with a budget for the pooling + neck (``auto_budget_gb``; ``None``: on
+  CUDA the allocator's available memory less the margin, ``wsod.modeling.chunking``): plain autograd when
+  the step's ROIs fit, else fused chunks of the largest size that does. Its rows record the choice
+  (``auto_chunk``: ``plain`` or the chunk) and the measured per-ROI cost (``auto_mb_per_roi``).
 
 Peak memory: on CUDA ``torch.cuda.max_memory_allocated`` (reset before each measurement) minus the
 memory allocated after the model and the batch exist; on CPU the peak resident set size of a fresh
@@ -58,12 +62,12 @@ __all__ = [
     "plot",
 ]
 
-STRATEGIES = ("plain", "checkpoint", "paper", "fused")
+STRATEGIES = ("plain", "checkpoint", "paper", "fused", "auto")
 VARIANTS = ("dropblock", "gradnorm", "gradnorm_retain")
 # The DropBlock scorer's hidden width per model, as its config (configs/model/*.yaml) sets it.
 DROPBLOCK_HIDDEN = {"r50_c4": 256, "r101_c4": 256}
 MODELS = {"r18_c4": "resnet18", "r50_c4": "resnet50", "r101_c4": "resnet101", "vgg16": "vgg16"}
-# ROI pooling per model, as configs/model/*.yaml sets it (the C4 default: RoIAlign 14x14).
+# What each backbone's ROI pooler needs (configs/model/*.yaml): VGG16's fc6 takes RoIPool 7x7.
 ROI_POOLING = {"vgg16": {"pooler": "pool", "roi_size": 7}}
 NUM_CLASSES = 20
 
@@ -71,7 +75,9 @@ NUM_CLASSES = 20
 @dataclass
 class Measurement:
     """One row of results.csv. ``peak_mb`` and ``step_ms`` are NaN when the step ran out of memory;
-    ``baseline_mb`` is what model and batch took before the step (not included in ``peak_mb``)."""
+    ``baseline_mb`` is what model and batch took before the step (not included in ``peak_mb``). For
+    ``auto``: ``budget_gb`` (None: found by itself on CUDA), ``auto_chunk`` ("plain" or the chunk it
+    chose) and ``auto_mb_per_roi`` (its measured per-ROI cost)."""
 
     strategy: str
     chunk: int | None
@@ -84,6 +90,10 @@ class Measurement:
     dtype: str
     baseline_mb: float
     status: str = "ok"
+    budget_gb: float | None = None
+    auto_chunk: str = ""
+    auto_mb_per_roi: float = math.nan
+    auto_budget_mb: float = math.nan
 
 
 class _CheckpointedNeck(nn.Module):
@@ -112,9 +122,11 @@ def split_variant(strategy: str) -> tuple[str, str | None]:
     return base, variant or None
 
 
-def build_benchmark_model(model: str, strategy: str, chunk: int | None) -> WeaklySupervisedDetector:
-    """The detector for one strategy (optionally ``+dropblock``): ``model`` in MODELS, random weights,
-    20 classes."""
+def build_benchmark_model(
+    model: str, strategy: str, chunk: int | None, auto_budget_gb: float | None = None
+) -> WeaklySupervisedDetector:
+    """The detector for one strategy (optionally with a ``+variant``): ``model`` in MODELS, random
+    weights, 20 classes; ``auto`` with ``auto_budget_gb``."""
     if model not in MODELS:
         raise ValueError(f"unknown model '{model}': expected one of {sorted(MODELS)}")
     strategy, variant = split_variant(strategy)
@@ -127,8 +139,9 @@ def build_benchmark_model(model: str, strategy: str, chunk: int | None) -> Weakl
     return detector_from_backbone(
         backbone,
         NUM_CLASSES,
-        chunk_size=chunk if sequential else None,
+        chunk_size="auto" if strategy == "auto" else chunk if sequential else None,
         fuse_pooling=strategy != "paper",
+        memory_budget_gb=auto_budget_gb if strategy == "auto" else None,
         **ROI_POOLING.get(model, {}),
         dropblock=variant == "dropblock",
         dropblock_hidden=DROPBLOCK_HIDDEN.get(model),
@@ -242,17 +255,18 @@ def _run_measurement(
     amp: bool,
     threads: int | None,
     memory_limit_mb: float | None = None,
-) -> tuple[float, float, float, str]:
+    auto_budget_gb: float | None = None,
+) -> tuple[float, float, float, str, dict]:
     """Build, step, measure in this process: (peak MB above baseline, median step ms, baseline MB,
-    status). On CUDA, ``memory_limit_mb`` caps the caching allocator so that exceeding it is a real
-    out-of-memory error, as on a smaller card."""
+    status, what ``auto`` chose). On CUDA, ``memory_limit_mb`` caps the caching allocator so that
+    exceeding it is a real out-of-memory error, as on a smaller card."""
     if threads:
         torch.set_num_threads(threads)
     device = torch.device(device_name)
     if device.type == "cuda":
         device = cap_cuda_memory(device, memory_limit_mb)
     torch.manual_seed(0)
-    model = build_benchmark_model(model_name, strategy, chunk).to(device).train()
+    model = build_benchmark_model(model_name, strategy, chunk, auto_budget_gb).to(device).train()
     variant = split_variant(strategy)[1]
     optimizer, helper = _optimizers(model, variant, device)
     batch = synthetic_batch(image_size, rois, device)
@@ -275,14 +289,26 @@ def _run_measurement(
     except torch.cuda.OutOfMemoryError:  # the CUDA name: present in every torch this package supports
         del model, optimizer, helper, batch
         torch.cuda.empty_cache()
-        return math.nan, math.nan, baseline, "oom"
+        return math.nan, math.nan, baseline, "oom", {}
+    auto = _auto_choice(model) if split_variant(strategy)[0] == "auto" else {}
     if device.type == "cuda":
         peak = torch.cuda.max_memory_allocated(device) / 2**20 - baseline
         del model, optimizer, helper, batch
         torch.cuda.empty_cache()
     else:
         peak = _peak_rss_mb() - baseline
-    return peak, 1000 * statistics.median(times), baseline, "ok"
+    return peak, 1000 * statistics.median(times), baseline, "ok", auto
+
+
+def _auto_choice(model: WeaklySupervisedDetector) -> dict:
+    """What ``chunk_size="auto"`` chose in the last step, its per-ROI cost and its budget."""
+    head = model.roi_head
+    (cost,) = head.costs.values()
+    return {
+        "auto_chunk": "plain" if head.last_chunk is None else str(head.last_chunk),
+        "auto_mb_per_roi": round(cost.per_roi / 2**20, 4),
+        "auto_budget_mb": round(head.budget.bytes / 2**20, 1),
+    }
 
 
 def cap_cuda_memory(device: torch.device, memory_limit_mb: float | None) -> torch.device:
@@ -304,7 +330,7 @@ def _child(queue: multiprocessing.Queue, args: tuple) -> None:
         queue.put(error)
 
 
-def _in_fresh_process(args: tuple, env: dict[str, str]) -> tuple[float, float, float, str]:
+def _in_fresh_process(args: tuple, env: dict[str, str]) -> tuple[float, float, float, str, dict]:
     """Run ``_run_measurement(*args)`` in a new interpreter with extra environment variables."""
     context = multiprocessing.get_context("spawn")
     queue = context.Queue()
@@ -340,8 +366,9 @@ def measure(
     threads: int | None = None,
     timed: bool = True,
     memory_limit_gb: float | None = None,
+    auto_budget_gb: float | None = None,
 ) -> Measurement:
-    """One measurement (``timed=False``: memory only, one step).
+    """One measurement (``timed=False``: memory only, one step); ``auto_budget_gb`` for ``auto``.
 
     On CPU, two fresh processes: one measures peak RSS with glibc's mmap threshold pinned to 64 KiB, so
     that every freed tensor goes back to the system and RSS follows live tensors rather than allocator
@@ -350,15 +377,17 @@ def measure(
     since an mmap per tensor would slow them down.
     """
     limit_mb = None if memory_limit_gb is None else memory_limit_gb * 1024
+    auto_budget_gb = auto_budget_gb if split_variant(strategy)[0] == "auto" else None
     args = (model, strategy, chunk, rois, image_size, device, steps, warmup, amp, threads, limit_mb)
-    memory_args = (*args[:6], 1, 0, amp, threads, limit_mb)
+    args += (auto_budget_gb,)
+    memory_args = (*args[:6], 1, 0, amp, threads, limit_mb, auto_budget_gb)
     if torch.device(device).type == "cpu":
-        peak, _, baseline, status = _in_fresh_process(memory_args, {"MALLOC_MMAP_THRESHOLD_": "65536"})
+        peak, _, baseline, status, auto = _in_fresh_process(memory_args, {"MALLOC_MMAP_THRESHOLD_": "65536"})
         step_ms = _in_fresh_process(args, {})[1] if timed else math.nan
-        result = (peak, step_ms, baseline, status)
+        result = (peak, step_ms, baseline, status, auto)
     else:
         result = _run_measurement(*(args if timed else memory_args))
-    peak, step_ms, baseline, status = result
+    peak, step_ms, baseline, status, auto = result
     return Measurement(
         strategy=strategy,
         chunk=chunk if split_variant(strategy)[0] in ("paper", "fused") else None,
@@ -371,6 +400,10 @@ def measure(
         dtype="bf16" if amp else "fp32",
         baseline_mb=round(baseline, 1),
         status=status,
+        budget_gb=auto_budget_gb,
+        auto_chunk=auto.get("auto_chunk", ""),
+        auto_mb_per_roi=auto.get("auto_mb_per_roi", math.nan),
+        auto_budget_mb=auto.get("auto_budget_mb", math.nan),
     )
 
 
@@ -418,12 +451,15 @@ def write_csv(measurements: Iterable[Measurement], path: Path) -> None:
             writer.writerow(asdict(m))
 
 
-def strategy_label(strategy: str, chunk: int | None, amp: bool) -> str:
+def strategy_label(strategy: str, chunk: int | None, amp: bool, auto_budget_gb: float | None = None) -> str:
+    if strategy == "auto":  # its chunk is a choice per step, not a setting
+        budget = "free memory" if auto_budget_gb is None else f"{auto_budget_gb:g} GB"
+        return f"auto ({budget})" + (" bf16" if amp else "")
     return f"{strategy}" + (f" (chunk {chunk})" if chunk else "") + (" bf16" if amp else "")
 
 
 def _label_of(m: Measurement) -> str:
-    return strategy_label(m.strategy, m.chunk, m.dtype == "bf16")
+    return strategy_label(m.strategy, m.chunk, m.dtype == "bf16", m.budget_gb)
 
 
 def _by_label(measurements: Sequence[Measurement], ok_only: bool = False) -> dict[str, list[Measurement]]:
@@ -501,6 +537,8 @@ def summarize(measurements: Sequence[Measurement]) -> list[str]:
     for m in measurements:
         if m.strategy != "plain" and m.status == "ok" and (m.dtype, m.rois) in plain_ms:
             ratio = m.step_ms / plain_ms[(m.dtype, m.rois)]
+            if math.isnan(ratio):  # memory only (--steps 0)
+                continue
             lines.append(f"- time ratio {_label_of(m)} / plain at {m.rois} ROIs {m.dtype}: {ratio:.2f}")
     step_ms = {(m.strategy, m.chunk, m.dtype, m.rois): m.step_ms for m in measurements if m.status == "ok"}
     peak_mb = {(m.strategy, m.chunk, m.dtype, m.rois): m.peak_mb for m in measurements if m.status == "ok"}
@@ -513,6 +551,41 @@ def summarize(measurements: Sequence[Measurement]) -> list[str]:
                 f"- {_label_of(m)} / without +{variant} at {m.rois} ROIs: time {time_ratio:.2f},"
                 f" peak memory {memory_ratio:.2f}"
             )
+    return lines + _auto_lines(measurements)
+
+
+def _auto_lines(measurements: Sequence[Measurement]) -> list[str]:
+    """Per ``auto`` row: its choice, the neck memory its cost predicts against its budget, and the neck
+    memory measured: its peak above the fused step with the smallest chunk k measured at the same ROI
+    count and dtype (whose only per-ROI neck memory is one chunk) plus that chunk's k x cost. The neck is
+    the ROI pooling + neck, what the budget covers."""
+    smallest: dict[tuple[int, str], Measurement] = {}
+    for m in measurements:
+        if m.strategy == "fused" and m.status == "ok":
+            key = (m.rois, m.dtype)
+            if key not in smallest or m.chunk < smallest[key].chunk:
+                smallest[key] = m
+    plain = {(m.rois, m.dtype): m for m in measurements if m.strategy == "plain" and m.status == "ok"}
+    autos = [m for m in measurements if m.strategy == "auto" and m.status == "ok"]
+    lines = ["", "chunk_size=auto (neck = ROI pooling + neck, what the budget covers):"] if autos else []
+    for m in autos:
+        chunk = m.rois if m.auto_chunk == "plain" else int(m.auto_chunk)
+        choice = "plain autograd" if m.auto_chunk == "plain" else f"chunks of {chunk}"
+        line = (
+            f"- {_label_of(m)} at {m.rois} ROIs: {choice}; measured cost {m.auto_mb_per_roi:.3f} MB/ROI,"
+            f" {chunk} x cost = {chunk * m.auto_mb_per_roi:.0f} MB of a {m.auto_budget_mb:.0f} MB budget"
+        )
+        if (m.rois, m.dtype) in smallest:
+            ref = smallest[(m.rois, m.dtype)]
+            neck = m.peak_mb - ref.peak_mb + ref.chunk * m.auto_mb_per_roi
+            within = "within" if neck <= m.auto_budget_mb else "OVER"
+            line += (
+                f"; measured neck {neck:.0f} MB ({within} the budget: peak {m.peak_mb - ref.peak_mb:.0f} MB"
+                f" above fused (chunk {ref.chunk}) + {ref.chunk} x cost)"
+            )
+        if (m.rois, m.dtype) in plain:
+            line += f"; peak {m.peak_mb - plain[(m.rois, m.dtype)].peak_mb:+.0f} MB vs plain"
+        lines.append(line)
     return lines
 
 
@@ -525,6 +598,7 @@ def largest_within_budget(
     budget_gb: float,
     max_rois: int,
     start: int,
+    auto_budget_gb: float | None = None,
     **options,
 ) -> int:
     """The most ROIs whose training step fits ``budget_gb``, model and batch included, by binary search
@@ -532,10 +606,14 @@ def largest_within_budget(
     capped at the budget, so not fitting is a real out-of-memory error."""
 
     def fits(rois: int) -> bool:
-        m = measure(model, strategy, chunk, rois, amp=amp, timed=False, memory_limit_gb=budget_gb, **options)
+        m = measure(
+            model, strategy, chunk, rois, amp=amp, memory_limit_gb=budget_gb, auto_budget_gb=auto_budget_gb,
+            **{**options, "timed": False},
+        )  # fmt: skip
         ok = m.status == "ok" and m.peak_mb + m.baseline_mb <= budget_gb * 1024
+        label = strategy_label(strategy, chunk, amp, auto_budget_gb)
         print(
-            f"  probe {strategy_label(strategy, chunk, amp)} rois={rois}: {m.peak_mb + m.baseline_mb:.0f} MB "
+            f"  probe {label} rois={rois}: {m.peak_mb + m.baseline_mb:.0f} MB "
             f"{'fits' if ok else 'does not fit'}",
             flush=True,
         )
@@ -552,7 +630,8 @@ def write_markdown(measurements: Sequence[Measurement], path: Path, extra: str =
         "| strategy | " + " | ".join(f"{r} ROIs: MB / ms" for r in rois) + " | MB per ROI |",
         "|---" * (len(rois) + 2) + "|",
     ]
-    for label, row in _cells(measurements, lambda m: f"{m.peak_mb:.0f} / {m.step_ms:.0f}", "").items():
+    cell = lambda m: f"{m.peak_mb:.0f} / " + ("-" if math.isnan(m.step_ms) else f"{m.step_ms:.0f}")
+    for label, row in _cells(measurements, cell, "").items():
         slope = f"{fit[label][0]:.3f}" if label in fit else ""
         lines.append(f"| {label} | " + " | ".join(row) + f" | {slope} |")
     Path(path).write_text("\n".join(lines) + "\n" + (f"\n{extra}\n" if extra else ""))
@@ -565,16 +644,21 @@ def plot(measurements: Sequence[Measurement], path: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    figure, (memory_axis, time_axis) = plt.subplots(1, 2, figsize=(11, 4.2))
-    for label, ms in _by_label(measurements, ok_only=True).items():
+    timed = any(not math.isnan(m.step_ms) for m in measurements)  # else memory only (--steps 0)
+    figure, axes = plt.subplots(1, 2 if timed else 1, figsize=(11 if timed else 6, 4.2), squeeze=False)
+    memory_axis, time_axis = axes[0][0], axes[0][-1] if timed else None
+    for index, (label, ms) in enumerate(_by_label(measurements, ok_only=True).items()):
         x = [m.rois for m in ms]
-        memory_axis.plot(x, [m.peak_mb for m in ms], marker="o", label=label)
-        time_axis.plot(x, [m.step_ms for m in ms], marker="o", label=label)
+        style = dict(marker="os^vD<>"[index % 7], label=label)  # equal lines stay visible
+        memory_axis.plot(x, [m.peak_mb for m in ms], **style)
+        if timed:
+            time_axis.plot(x, [m.step_ms for m in ms], **style)
     first = measurements[0]
     title = f"{first.model}, {first.image_size}, {first.device}"
     memory_axis.set(xlabel="ROIs per image", ylabel="peak memory above baseline (MB)", title=title)
-    time_axis.set(xlabel="ROIs per image", ylabel="training step (ms)", title=title)
-    for axis in (memory_axis, time_axis):
+    if timed:
+        time_axis.set(xlabel="ROIs per image", ylabel="training step (ms)", title=title)
+    for axis in axes[0]:
         axis.grid(alpha=0.3)
     memory_axis.legend(fontsize=8)
     figure.tight_layout()

@@ -301,20 +301,22 @@ def build_backbone(name: str, **options) -> Backbone:
 def detector_from_backbone(
     backbone: Backbone,
     num_classes: int,
-    chunk_size: int | None = 256,
+    chunk_size: int | str | None = 256,
     *,
     test_chunk_size: int | None = None,
     pooler: str = "align",
     roi_size: int = 14,
     fuse_pooling: bool = True,
+    memory_budget_gb: float | None = None,
     num_students: int = 3,
     dropblock: bool = False,
     dropblock_hidden: int | None = None,
     **detector_options,
 ) -> WeaklySupervisedDetector:
     """The detector on a built ``Backbone``: ROI pooler at ``1 / backbone.stride``, the backbone's neck
-    under sequential backprop (``RoIFeatureHead``), the MIL teacher and ``num_students`` students of
-    width ``backbone.feature_dim``. ``dropblock``: Concrete DropBlock on the pooled features
+    under sequential backprop (``RoIFeatureHead``; ``chunk_size="auto"`` with ``memory_budget_gb``, see
+    ``wsod.modeling.chunking``), the MIL teacher and ``num_students`` students of width
+    ``backbone.feature_dim``. ``dropblock``: Concrete DropBlock on the pooled features
     (``ConcreteDropBlock(backbone.channels, hidden_channels=dropblock_hidden)``), trained by the
     adversarial step of ``wsod.engine.adversarial``. ``detector_options`` go to
     ``WeaklySupervisedDetector``."""
@@ -326,6 +328,7 @@ def detector_from_backbone(
         inference_chunk_size=test_chunk_size,
         fuse_pooling=fuse_pooling,
         dropblock=block,
+        memory_budget_gb=memory_budget_gb,
     )
     return WeaklySupervisedDetector(
         base=backbone.base,
@@ -339,12 +342,13 @@ def detector_from_backbone(
 def build_detector(
     backbone: str = "resnet50",
     num_classes: int = 20,
-    chunk_size: int | None = 256,
+    chunk_size: int | str | None = 256,
     *,
     test_chunk_size: int | None = None,
     pooler: str = "align",
     roi_size: int = 14,
     fuse_pooling: bool = True,
+    memory_budget_gb: float | None = None,
     num_students: int = 3,
     dropblock: bool = False,
     dropblock_hidden: int | None = None,
@@ -355,13 +359,16 @@ def build_detector(
     detections_per_image: int = 100,
     **backbone_options,
 ) -> WeaklySupervisedDetector:
-    """One-line builder: ``build_detector("resnet50", num_classes=20, chunk_size=256)``.
+    """One-line builder: ``build_detector("resnet50", num_classes=20, chunk_size=256)``, or
+    ``chunk_size="auto"`` (plain autograd when a step's ROIs fit ``memory_budget_gb``, else the largest
+    chunk that does; on CUDA the budget may be ``None``: the free memory less a margin).
 
     ``backbone`` is a name of ``BACKBONES`` and ``backbone_options`` its builder's options (ResNet:
     ``width``, ``weights``, ``norm``, ``neck_norm``, ``freeze_at``; VGG16: ``weights``, ``freeze_at``,
     with ``pooler="pool", roi_size=7``); see ``detector_from_backbone`` for the ROI head
-    (``chunk_size``, ``test_chunk_size``, ``pooler``, ``roi_size``, ``fuse_pooling``, ``dropblock``,
-    ``dropblock_hidden``) and ``WeaklySupervisedDetector`` for the rest.
+    (``chunk_size``, ``test_chunk_size``, ``pooler``, ``roi_size``, ``fuse_pooling``,
+    ``memory_budget_gb``, ``dropblock``, ``dropblock_hidden``) and ``WeaklySupervisedDetector`` for the
+    rest.
     """
     return detector_from_backbone(
         build_backbone(backbone, **backbone_options),
@@ -371,6 +378,7 @@ def build_detector(
         pooler=pooler,
         roi_size=roi_size,
         fuse_pooling=fuse_pooling,
+        memory_budget_gb=memory_budget_gb,
         num_students=num_students,
         dropblock=dropblock,
         dropblock_hidden=dropblock_hidden,
