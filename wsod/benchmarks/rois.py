@@ -547,10 +547,9 @@ def summarize(measurements: Sequence[Measurement]) -> list[str]:
         key = (base, m.chunk, m.dtype, m.rois)
         if variant and m.status == "ok" and key in step_ms:
             time_ratio, memory_ratio = m.step_ms / step_ms[key], m.peak_mb / peak_mb[key]
-            lines.append(
-                f"- {_label_of(m)} / without +{variant} at {m.rois} ROIs: time {time_ratio:.2f},"
-                f" peak memory {memory_ratio:.2f}"
-            )
+            timed = "" if math.isnan(time_ratio) else f"time {time_ratio:.2f}, "  # memory only: --steps 0
+            compared = f"- {_label_of(m)} / without +{variant} at {m.rois} ROIs"
+            lines.append(f"{compared}: {timed}peak memory {memory_ratio:.2f}")
     return lines + _auto_lines(measurements)
 
 
