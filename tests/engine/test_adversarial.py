@@ -140,3 +140,21 @@ def test_one_chunk_with_dropblock_equals_plain_autograd_in_float64(fuse_pooling)
     assert plain.keys() == seq.keys() and any("dropblock" in n for n in plain)
     for name, grad in plain.items():
         torch.testing.assert_close(seq[name], grad, rtol=1e-9, atol=1e-12, msg=name)
+
+
+def test_accumulated_batches_give_the_mean_of_their_gradients():
+    # With gradient accumulation the adversary sees every batch of the step and averages, as the 8-GPU
+    # step averages over GPUs.
+    batches = [_inputs((13, 6)), _inputs((7, 9), ((0, 1, 1), (1, 0, 0)))]
+    steps = []
+    for chosen in ([0], [1], [0, 1]):
+        model = _detector()
+        before = [p.detach().clone() for p in model.dropblock.parameters()]
+        adversary = _adversary(model, lr=0.5, weight=0.01)
+        torch.manual_seed(11)
+        for index in range(chosen[0]):  # the same samples for batch 1 alone as after batch 0
+            _ = model(**batches[index])
+        adversary.step([batches[i] for i in chosen])
+        steps.append([p.detach() - b for p, b in zip(model.dropblock.parameters(), before, strict=True)])
+    for alone_0, alone_1, together in zip(*steps, strict=True):
+        torch.testing.assert_close(together, (alone_0 + alone_1) / 2, rtol=1e-4, atol=2e-7)
