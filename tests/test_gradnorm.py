@@ -91,7 +91,8 @@ def test_matches_retain_graph_reference_over_sgd_steps(sequential):
         _wrap_trunk(model)
     alpha, num_losses = 1.5, 4
     ref_weights = nn.Parameter(torch.ones(num_losses, dtype=torch.double))
-    gradnorm = GradNorm(num_losses, alpha).double()
+    # No floor: the reference is GradNorm as published, and a weight crosses zero below.
+    gradnorm = GradNorm(num_losses, alpha, min_weight=None).double()
     ref_opt = torch.optim.SGD(
         [{"params": ref_model.parameters()}, {"params": [ref_weights], "lr": 0.05}], lr=0.1, momentum=0.9
     )
@@ -280,7 +281,17 @@ def test_errors_and_guards():
     assert gradnorm.last_norms[3] == 0 and gradnorm.weights.grad[3] == 0
     assert (gradnorm.last_norms[:3] > 0).all()
 
+    # A weight that an optimizer step took below the floor is clamped to it before the rescale: a
+    # negative weight would maximise its loss (the toy run's GradNorm did that before the floor).
     with torch.no_grad():
-        gradnorm.weights.copy_(torch.tensor([1.0, -2.0, 0.5, 0.5]))
-    with pytest.raises(ValueError, match="sum to"):
+        gradnorm.weights.copy_(torch.tensor([1.0, -2.0, 0.5, 0.5], dtype=torch.double))
+    gradnorm.renormalize()
+    expected = torch.tensor([1.0, 0.01, 0.5, 0.5], dtype=torch.double) * (4 / 2.01)
+    torch.testing.assert_close(gradnorm.weights.detach(), expected)
+    assert gradnorm.weights.sum().item() == pytest.approx(4.0, rel=1e-12)
+    with torch.no_grad():
+        gradnorm.weights.copy_(torch.tensor([1.0, float("nan"), 0.5, 0.5], dtype=torch.double))
+    with pytest.raises(ValueError, match="sum to nan"):
         gradnorm.renormalize()
+    with pytest.raises(ValueError, match="min_weight must lie in"):
+        GradNorm(4, min_weight=-0.1)

@@ -232,6 +232,7 @@ TRAIN_RULES: dict[str, _Rule] = {
     "solver.gradnorm.enabled": _FLAG,
     "solver.gradnorm.alpha": _number(0),
     "solver.gradnorm.lr": _number(0, above=True),
+    "solver.gradnorm.min_weight": _number(0, 1),
 }
 
 EVAL_RULES: dict[str, _Rule] = {**_COMMON}

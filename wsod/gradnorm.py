@@ -27,6 +27,9 @@ tensor:
   from L_grad, as in the paper);
 * the returned total is sum_i w_i L_i with the weights detached: its backward gives the model its
   gradient and leaves ``weights.grad`` alone.
+* ``renormalize()`` after the optimizer step clamps each weight to ``min_weight`` (wsod's addition:
+  the published rule lets a weight turn negative and then maximise its loss) and rescales the weights
+  to sum to N.
 
 In distributed training each rank's weight gradient comes from its own batch; averaging it across ranks
 is the caller's business (the training loop integration is separate work).
@@ -49,6 +52,12 @@ class GradNorm(nn.Module):
         num_losses: number of loss terms N.
         alpha: GradNorm's asymmetry: 0 equalises the gradient norms; larger values push losses that
             fall slower (relative to their first value) to larger gradient norms.
+        min_weight: floor of every weight, applied by ``renormalize()`` before the rescale (0 <=
+            min_weight <= 1, or None for no floor: GradNorm as published). GradNorm's gradient does
+            not keep a weight positive: with G_i = |w_i| g_i, once a weight crosses zero,
+            |G_i - target_i| is minimised at w_i = -target_i / g_i, and the weight runs away on the
+            negative side, where it *maximises* its loss. A toy run did exactly that (README); the
+            floor keeps every loss minimised.
 
     Attributes:
         weights: parameter (N,), initialised to 1; optimise it with the model, then ``renormalize()``.
@@ -63,12 +72,15 @@ class GradNorm(nn.Module):
 
     initial_losses: Tensor
 
-    def __init__(self, num_losses: int, alpha: float = 1.5) -> None:
+    def __init__(self, num_losses: int, alpha: float = 1.5, min_weight: float | None = 0.01) -> None:
         super().__init__()
         if num_losses < 1:
             raise ValueError(f"GradNorm needs at least one loss, got num_losses={num_losses}")
+        if min_weight is not None and not 0 <= min_weight <= 1:
+            raise ValueError(f"GradNorm: min_weight must lie in [0, 1] or be None, got {min_weight}")
         self.num_losses = num_losses
         self.alpha = float(alpha)
+        self.min_weight = None if min_weight is None else float(min_weight)
         self.weights = nn.Parameter(torch.ones(num_losses))
         # NaN marks "not recorded yet"; a persistent buffer so that checkpoints carry it.
         self.register_buffer("initial_losses", torch.full((num_losses,), float("nan")))
@@ -79,7 +91,7 @@ class GradNorm(nn.Module):
         self.last_names: tuple[str, ...] | None = None
 
     def extra_repr(self) -> str:
-        return f"num_losses={self.num_losses}, alpha={self.alpha}"
+        return f"num_losses={self.num_losses}, alpha={self.alpha}, min_weight={self.min_weight}"
 
     @property
     def initialized(self) -> bool:
@@ -146,7 +158,11 @@ class GradNorm(nn.Module):
 
     @torch.no_grad()
     def renormalize(self) -> None:
-        """Rescale the weights in place to sum to ``num_losses``; call after the optimizer step."""
+        """Clamp the weights in place to at least ``min_weight``, then rescale them to sum to
+        ``num_losses``; call after the optimizer step. (A weight clamped to the floor can end just
+        below it when the rescale shrinks all weights; it stays positive.)"""
+        if self.min_weight is not None:
+            self.weights.clamp_(min=self.min_weight)
         total = self.weights.sum()
         if not bool(torch.isfinite(total)) or total.item() <= 0:
             raise ValueError(

@@ -25,13 +25,16 @@ __all__ = ["LossBalancer"]
 
 
 class LossBalancer:
-    """``GradNorm(num_losses, alpha)`` with an Adam optimizer of learning rate ``lr`` for its weights.
+    """``GradNorm(num_losses, alpha, min_weight)`` with an Adam optimizer (learning rate ``lr``) for
+    its weights.
 
     The loss names are fixed by the first call (a detector's losses always come in the same order).
     """
 
-    def __init__(self, num_losses: int, *, alpha: float = 1.5, lr: float = 0.01) -> None:
-        self.gradnorm = GradNorm(num_losses, alpha=alpha)
+    def __init__(
+        self, num_losses: int, *, alpha: float = 1.5, lr: float = 0.01, min_weight: float = 0.01
+    ) -> None:
+        self.gradnorm = GradNorm(num_losses, alpha=alpha, min_weight=min_weight)
         # Adam: the weight gradient's scale is that of the gradient norms at the ROI features, which
         # differs by orders of magnitude between models; Adam's step does not depend on it.
         self.optimizer = torch.optim.Adam(self.gradnorm.parameters(), lr=lr)
