@@ -221,9 +221,8 @@ def build_balancer(
     if not settings.enabled:
         return None
     num_losses = 1 + 2 * len(model.students)  # the MIL loss, then each student's cls and box losses
-    return LossBalancer(num_losses, alpha=settings.alpha, lr=settings.lr, min_weight=settings.min_weight).to(
-        device
-    )
+    balancer = LossBalancer(num_losses, alpha=settings.alpha, lr=settings.lr, min_weight=settings.min_weight)
+    return balancer.to(device)
 
 
 def build_adversary(
