@@ -74,7 +74,8 @@ def test_non_finite_steps_change_nothing_and_too_many_abort_naming_the_last_fini
     with pytest.raises(NonFiniteLossError) as caught:
         _run(model, optimizer, scheduler, tmp_path / "run", max_iter=8, max_nonfinite=3, checkpoint_period=1)
     assert str(caught.value).startswith(
-        "training stopped: 3 consecutive steps (up to iteration 5) had a non-finite loss or gradient;"
+        "training stopped: 3 consecutive steps (up to iteration 5) had a non-finite loss, gradient or"
+        " BatchNorm statistic;"
         " the last finite step was iteration 2."
     )
     # Weights, BatchNorm statistics and momentum are those after iteration 2: nothing was applied.
@@ -82,10 +83,13 @@ def test_non_finite_steps_change_nothing_and_too_many_abort_naming_the_last_fini
     for name, value in weights.items():
         assert torch.equal(ours[name], value), name
     assert all(torch.equal(a, b) for a, b in zip(our_momentum, momentum, strict=True))
-    # Every checkpoint holds finite weights; the skipped steps are logged.
-    _, newest = latest_valid_checkpoint(tmp_path / "run")
-    assert newest["trainer"]["iteration"] == 4 and newest["trainer"]["skipped_steps"] == 2
-    assert all(torch.isfinite(v).all() for v in newest["model"].values() if v.is_floating_point())
+    # Every checkpoint holds finite weights; the one saved at the stop (iteration 5) holds those of
+    # iteration 2 and the three skipped steps, and the message names it.
+    path, newest = latest_valid_checkpoint(tmp_path / "run")
+    assert newest["trainer"]["iteration"] == 5 and newest["trainer"]["skipped_steps"] == 3
+    assert f"Its weights are saved in {path}" in str(caught.value)
+    for name, value in weights.items():
+        assert torch.equal(newest["model"][name], value), name
 
 
 def test_a_few_non_finite_steps_are_skipped_and_training_goes_on(tmp_path):
@@ -95,13 +99,49 @@ def test_a_few_non_finite_steps_are_skipped_and_training_goes_on(tmp_path):
     assert all(torch.isfinite(p).all() for p in model.parameters())
 
 
+class _Overflowing(nn.Module):
+    """A layer before a train-mode BatchNorm: once its weights are huge (finite), the batch variance of
+    its outputs overflows float32 and the running variance turns inf, while the normalised output, the
+    loss and every gradient stay finite (what ``solver.lr=1e10`` does to the toy model)."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc0, self.norm, self.fc = nn.Linear(3, 3), nn.BatchNorm1d(3), nn.Linear(3, 1)
+
+    def forward(self, images, proposals, image_labels, image_sizes, original_sizes):
+        # tanh bounds the loss whatever the weights, as the detector's softmax and BCE losses do.
+        return {"loss_a": self.fc(self.norm(self.fc0(images.flatten(1)[:, :3]))).tanh().pow(2).mean()}
+
+
+def test_steps_that_overflow_batchnorm_statistics_with_a_finite_loss_are_skipped(tmp_path, caplog):
+    torch.manual_seed(0)
+    model = _Overflowing()
+    optimizer = build_optimizer(model, name="sgd", lr=1e25, momentum=0.0, weight_decay=0.0)
+    scheduler = build_scheduler(optimizer, milestones=[], warmup_iters=0)
+    with pytest.raises(NonFiniteLossError) as caught:
+        _run(model, optimizer, scheduler, tmp_path, max_iter=10, max_nonfinite=3, checkpoint_period=1)
+    # Step 1 made the weights huge but finite; steps 2-4 had finite losses and overflowed statistics.
+    assert "the last finite step was iteration 1" in str(caught.value)
+    skipped = [r.getMessage() for r in caplog.records if "step skipped" in r.getMessage()]
+    assert len(skipped) == 3 and all("non-finite BatchNorm statistic (finite loss" in m for m in skipped)
+    assert all("loss_a" in m and "nan" not in m.split("(", 2)[2] for m in skipped)  # finite losses
+    assert model.fc0.weight.abs().max() > 1e20 and torch.isfinite(model.fc0.weight).all()
+    checkpoints = sorted(tmp_path.glob("model_*.pth"))
+    assert [p.name for p in checkpoints] == ["model_0000002.pth", "model_0000003.pth", "model_0000004.pth"]
+    for path in checkpoints:  # every one holds finite statistics: those after step 1
+        state = torch.load(path, weights_only=False)["model"]
+        assert all(torch.isfinite(v).all() for v in state.values() if v.is_floating_point()), path
+        assert torch.equal(state["norm.running_var"], model.norm.running_var)
+
+
 def test_an_update_that_makes_weights_non_finite_stops_at_once(tmp_path):
     model, optimizer, scheduler = _setup(
         lr=1e30, scale=1e10
     )  # finite loss and gradients, an overflowing step
-    with pytest.raises(NonFiniteLossError, match="the update of iteration 1 made parameters non-finite"):
+    with pytest.raises(NonFiniteLossError, match="the update of iteration 1 made parameters non-finite") as e:
         _run(model, optimizer, scheduler, tmp_path, max_iter=3, checkpoint_period=1)
     assert not list(tmp_path.glob("model_*.pth"))
+    assert "no checkpoint was saved before it (checkpoint_period)" in str(e.value)  # no false promise
 
 
 def _rows(run_dir):

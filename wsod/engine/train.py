@@ -83,6 +83,10 @@ def _short(value: float) -> str:
     return f"{value:.4f}" if value == 0 or abs(value) >= 1e-3 else f"{value:.3e}"
 
 
+def _checkpoint_name(iteration: int) -> str:
+    return f"model_{iteration:07d}.pth"
+
+
 def _copy_buffers(model: nn.Module) -> list[tuple[torch.Tensor, torch.Tensor]]:
     """(buffer, copy) of every buffer (BatchNorm running statistics and counters, a few kilobytes): a
     forward pass updates them even when its loss turns out non-finite."""
@@ -103,12 +107,35 @@ def _gradient_norm(optimizer: torch.optim.Optimizer) -> float:
     return torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g.float()) for g in grads])).item()
 
 
-def _check_parameters(model: nn.Module, iteration: int) -> None:
+def _buffers_finite(model: nn.Module) -> bool:
+    """Whether every floating-point buffer (BatchNorm running statistics) is finite on every process.
+
+    A step's forward passes update the running statistics before its loss is known, and weights that
+    are huge but finite can overflow them (a variance of 1e20-sized activations is inf in float32)
+    while the loss and gradients stay finite: such a step is as unusable as one with a NaN loss.
+    Reduced over processes: each DDP rank updates its statistics from its own batches, and every rank
+    must make the same decision.
+    """
+    buffers = [b for b in model.buffers() if b.is_floating_point()]
+    if not buffers:
+        return True  # the same answer on every process: they hold the same model
+    local = torch.stack([torch.isfinite(b).all() for b in buffers]).all()  # on the model's device (NCCL)
+    return all_reduce_mean(local.float().reshape(1)).item() == 1.0
+
+
+def _saved_weights(run_dir: Path) -> str:
+    """Where the last finite weights are, for the message of a run stopped by an overflowing update."""
+    saved = list_checkpoints(run_dir)
+    if not saved:
+        return "no checkpoint was saved before it (checkpoint_period), so no weights of this run are kept"
+    return f"the newest checkpoint, {saved[0]}, holds finite weights"
+
+
+def _check_parameters(model: nn.Module, iteration: int, run_dir: Path) -> None:
     if not all(torch.isfinite(p).all() for p in model.parameters()):
         raise NonFiniteLossError(
             f"training stopped: the update of iteration {iteration} made parameters non-finite (the loss"
-            " and gradients were finite: the step was too large). Lower solver.lr; checkpoints hold the"
-            " last finite weights"
+            f" and gradients were finite: the step was too large). Lower solver.lr; {_saved_weights(run_dir)}"
         )
 
 
@@ -158,10 +185,12 @@ def train(
             stepped with the detector's.
         balancer: GradNorm loss weights (``LossBalancer``): each batch's losses are weighted by it and
             its weights updated after every applied step (state checkpointed, weights logged).
-        max_nonfinite: abort after this many consecutive steps whose loss or gradient is not finite.
-            Such a step is skipped: no parameter, buffer (BatchNorm statistics) or optimizer state
-            changes; it is counted and logged. An update that makes a parameter non-finite stops the run
-            at once, so that no checkpoint ever holds non-finite weights.
+        max_nonfinite: abort after this many consecutive steps whose loss, gradient or updated
+            buffers (BatchNorm running statistics) are not finite. Such a step is skipped: no parameter,
+            buffer or optimizer state changes; it is counted and logged. The abort saves a checkpoint of
+            the last finite state (whatever ``checkpoint_period``) and names it. An update that makes a
+            parameter non-finite stops the run at once, so that no checkpoint ever holds non-finite
+            weights; its message says which checkpoint, if any, holds the last finite ones.
         metadata: stored in every checkpoint under "metadata" (e.g. the model config and class names,
             so that evaluation can rebuild the model from the checkpoint alone).
 
@@ -210,7 +239,7 @@ def train(
         }
 
     def save_periodic() -> None:
-        save_checkpoint(checkpoint_state(), run_dir / f"model_{state['iteration']:07d}.pth")
+        save_checkpoint(checkpoint_state(), run_dir / _checkpoint_name(state["iteration"]))
         for old in list_checkpoints(run_dir)[keep_checkpoints:]:
             old.unlink(missing_ok=True)
 
@@ -278,12 +307,15 @@ def train(
             if finite and not scaler.is_enabled():
                 reduced["grad_norm"] = _gradient_norm(optimizer)
                 finite = math.isfinite(reduced["grad_norm"])
+            what = "loss or gradient"
+            if finite and not _buffers_finite(model):
+                finite, what = False, "BatchNorm statistic (finite loss and gradient)"
             if finite:
                 consecutive_nonfinite = 0
                 state["last_finite"] = state["iteration"] + 1
                 scaler.step(optimizer)
                 scaler.update()
-                _check_parameters(model, state["iteration"] + 1)
+                _check_parameters(model, state["iteration"] + 1, run_dir)
                 if adversary is not None:
                     reduced["adversarial_loss"] = adversary.step(step_inputs)
                 if balancer is not None:
@@ -296,8 +328,8 @@ def train(
                 if balancer is not None:
                     balancer.discard()
                 logger.warning(
-                    "non-finite loss or gradient at iteration %d (%s): step skipped, weights unchanged"
-                    " (%d skipped in total)", state["iteration"] + 1, reduced, state["skipped_steps"],
+                    "non-finite %s at iteration %d (%s): step skipped, weights and statistics unchanged"
+                    " (%d skipped in total)", what, state["iteration"] + 1, reduced, state["skipped_steps"],
                 )  # fmt: skip
             optimizer.zero_grad(set_to_none=True)
             lr = optimizer.param_groups[0]["lr"]  # the rate this step used, for the log
@@ -321,14 +353,19 @@ def train(
                     "  ".join(f"{k} {_short(v)}" for k, v in reduced.items()), values["lr"], seconds,
                 )  # fmt: skip
                 step_start = time.perf_counter()
-            if consecutive_nonfinite >= max_nonfinite:  # after logging the step, before saving anything
+            if consecutive_nonfinite >= max_nonfinite:  # after logging the step
+                # Skipped steps changed nothing: the model and optimizer hold the last finite step's
+                # state. Saved now, whatever checkpoint_period says, so that the stop loses no work.
+                if main:
+                    save_periodic()
                 last = state["last_finite"]
                 raise NonFiniteLossError(
                     f"training stopped: {consecutive_nonfinite} consecutive steps (up to iteration"
-                    f" {state['iteration']}) had a non-finite loss or gradient; the last finite step was"
-                    f" {'iteration ' + str(last) if last else 'none of this run'}. Lower solver.lr,"
-                    " lengthen solver.warmup_iters, or check the data; checkpoints hold the last finite"
-                    " weights"
+                    f" {state['iteration']}) had a non-finite loss, gradient or BatchNorm statistic; the"
+                    f" last finite step was {'iteration ' + str(last) if last else 'none of this run'}."
+                    " Lower solver.lr, lengthen solver.warmup_iters, or check the data. Its weights are"
+                    f" saved in {run_dir / _checkpoint_name(state['iteration'])} (resume=true with a"
+                    " lower solver.lr continues from them)"
                 )
             if main and checkpoint_period and state["iteration"] % checkpoint_period == 0:
                 save_periodic()
