@@ -36,10 +36,10 @@ from dataclasses import dataclass
 
 import numpy as np
 import torch
-from PIL import Image
 from torch.utils.data import ConcatDataset, Dataset
 from torchvision import tv_tensors
 
+from wsod.data.image_io import read_image_rgb, read_image_size
 from wsod.data.proposals import ProposalSet, filter_proposals, load_proposals, whole_image_box
 
 __all__ = [
@@ -80,29 +80,23 @@ class ImageRecord:
 
 
 def load_image(path: str | os.PathLike) -> tv_tensors.Image:
-    """Decode an image file to uint8 RGB (3, H, W); errors name the file.
+    """Decode an image file to uint8 RGB (3, H, W) as a viewer shows it; errors name the file.
 
-    Pillow decodes (torchvision 0.29 deprecates its own decoders). EXIF orientation is not applied:
-    VOC and COCO annotate the stored pixel grid.
+    The one decoding rule of ``wsod.data.image_io`` (Selective Search reads the same pixels): Pillow
+    decodes (torchvision 0.29 deprecates its own decoders), 16-bit greyscale keeps its high byte, and
+    the EXIF orientation is applied, so a phone photo is upright and matches annotations drawn in a
+    viewer. VOC and COCO images carry no rotating EXIF tag in practice, so their stored pixel grid,
+    which their boxes annotate, is what this returns. ``FileNotFoundError`` for a missing file,
+    ``RuntimeError("cannot decode image <path>: ...")`` for a truncated, corrupt or unconvertible one.
     """
-    if not os.path.isfile(path):
-        raise FileNotFoundError(f"image file not found: {path}")
-    try:
-        with Image.open(path) as image:
-            pixels = np.array(image.convert("RGB"))  # a writable copy: torch refuses read-only arrays
-    except (OSError, ValueError, SyntaxError) as e:  # PIL reports bad data as any of these
-        raise RuntimeError(f"cannot decode image {path}: {e}") from e
-    return tv_tensors.Image(torch.from_numpy(pixels).permute(2, 0, 1))
+    return tv_tensors.Image(torch.from_numpy(read_image_rgb(path)).permute(2, 0, 1))
 
 
 def image_size_from_header(path: str | os.PathLike) -> tuple[int, int]:
-    """(H, W) of an image file, read from its header only (for formats that do not store sizes)."""
-    try:
-        with Image.open(path) as image:
-            width, height = image.size
-    except OSError as e:
-        raise RuntimeError(f"cannot read the size of image {path}: {e}") from e
-    return height, width
+    """(H, W) of an image file as ``load_image`` decodes it (EXIF orientations 5-8 swap the sides),
+    read from its header only (for formats that do not store sizes); errors as ``load_image``'s, with
+    Pillow's exception as ``__cause__``."""
+    return read_image_size(path)
 
 
 class WeakDetectionDataset(Dataset):

@@ -37,6 +37,7 @@ from tqdm import tqdm
 
 from wsod.atomic import atomic_write
 from wsod.data.box_formats import opencv_rects_to_xyxy
+from wsod.data.image_io import read_image_rgb
 from wsod.data.proposal_store import is_store_path, write_proposal_store
 from wsod.data.proposals import ProposalSet, filter_proposals, write_proposal_pickle
 
@@ -82,12 +83,10 @@ def selective_search(image_bgr: np.ndarray, mode: str = "fast", seed: int | None
 
 
 def _read_bgr(path: str) -> np.ndarray:
-    if not os.path.isfile(path):
-        raise FileNotFoundError(f"image file not found: {path}")
-    image = cv2.imread(path, cv2.IMREAD_COLOR)
-    if image is None:
-        raise RuntimeError(f"cannot decode image {path}")
-    return image
+    """``path`` as training decodes it (``wsod.data.image_io``: EXIF orientation applied, 16-bit scaled,
+    truncated files refused with the same error), uint8 BGR (H, W, 3) for OpenCV. Not ``cv2.imread``:
+    its pixels differ from training's, so proposals would be made for another image."""
+    return np.ascontiguousarray(read_image_rgb(path)[..., ::-1])
 
 
 def _init_worker() -> None:
