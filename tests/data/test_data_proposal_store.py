@@ -329,3 +329,41 @@ def test_benchmark_measures_in_a_fresh_process(tmp_path):
     assert result.reads == 10 and result.baseline.rss > 0
     with pytest.raises(RuntimeError, match="benchmark process failed"):
         in_fresh_process(measure_access, "store", str(tmp_path / "nope.proposals"), 10, 50)
+
+
+def test_image_sizes_round_trip_through_a_store_and_stores_without_them_still_open(tmp_path):
+    ids = ["000005", "000007", 139]
+    sizes = [(375, 500), None, (480, 640)]
+    boxes = [np.array([[0, 0, 9, 9]], np.float32)] * 3
+    save_proposals(ProposalSet(ids, boxes, image_sizes=sizes), tmp_path / "p.pkl")
+    convert_proposals(tmp_path / "p.pkl", tmp_path / "p.proposals")
+    store = load_proposals(tmp_path / "p.proposals")
+    assert store.manifest["has_sizes"] is True and (tmp_path / "p.proposals" / "sizes.npy").is_file()
+    assert [store.image_size(i) for i in ids] == sizes
+    assert [pickle.loads(pickle.dumps(store)).image_size(i) for i in ids] == sizes
+    convert_proposals(tmp_path / "p.proposals", tmp_path / "back.pkl")  # and back to a pickle
+    assert [load_proposals(tmp_path / "back.pkl").image_size(i) for i in ids] == sizes
+
+    # Without sizes: no sizes.npy; a version-1 store written before sizes existed (no "has_sizes" in
+    # its manifest) opens as before.
+    write_proposal_store(ProposalSet(ids, boxes), tmp_path / "old.proposals")
+    assert not (tmp_path / "old.proposals" / "sizes.npy").exists()
+    manifest_path = tmp_path / "old.proposals" / "manifest.json"
+    manifest = json.loads(manifest_path.read_text())
+    assert manifest["has_sizes"] is False
+    del manifest["has_sizes"]
+    manifest_path.write_text(json.dumps(manifest))
+    old = load_proposals(tmp_path / "old.proposals")
+    assert old.image_size(139) is None and old[139].tolist() == [[0, 0, 9, 9]]
+
+    # A store that says it has sizes checks them like its other files.
+    sizes_path = tmp_path / "p.proposals" / "sizes.npy"
+    sizes_path.write_bytes(sizes_path.read_bytes()[:-4])
+    with pytest.raises(ProposalStoreError, match=rf"{sizes_path}: truncated"):
+        load_proposals(tmp_path / "p.proposals")
+    sizes_path.unlink()
+    with pytest.raises(FileNotFoundError, match=rf"missing {sizes_path}"):
+        load_proposals(tmp_path / "p.proposals")
+    np.save(sizes_path, np.array([[375, 500], [-3, 0], [480, 640]], np.int32))
+    with pytest.raises(ValueError, match=rf"{sizes_path}: .*negative"):
+        load_proposals(tmp_path / "p.proposals")

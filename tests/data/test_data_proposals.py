@@ -177,3 +177,81 @@ def test_lookup_returns_read_only_views_and_whole_image_box():
     filter_proposals(proposals["a"], (10, 10))
     assert proposals["a"].tolist() == [[-1, 0, 5, 5]]
     assert whole_image_box((30, 40)).tolist() == [[0, 0, 39, 29]]
+
+
+# ----------------------------------------------------------------------------------------------------
+# Image sizes: the (H, W) of the image each image's proposals were made on
+
+
+def test_image_sizes_round_trip_through_pickle_and_conversions(tmp_path):
+    sizes = [(30, 40), None, (500, 375)]  # the second image's size is not known
+    original = ProposalSet(list(BOXES), list(BOXES.values()), image_sizes=sizes, source="ss")
+    assert original.image_size("000005") == (30, 40) and original.image_size("000007") is None
+    assert original.image_size("2008000008") == (500, 375)  # looked up by proposal_key like boxes
+    save_proposals(original, tmp_path / "p.pkl")
+    with open(tmp_path / "p.pkl", "rb") as f:
+        raw = pickle.load(f)
+    # An extra key that reference readers, which read 'boxes', 'scores' and 'indexes', never look at.
+    assert sorted(raw) == ["boxes", "image_sizes", "indexes", "scores"]
+    np.testing.assert_array_equal(raw["image_sizes"], [[30, 40], [0, 0], [500, 375]])
+    back = load_proposals(tmp_path / "p.pkl")
+    _assert_same(back, BOXES)
+    assert [back.image_size(i) for i in BOXES] == sizes
+    convert_proposals(tmp_path / "p.pkl", tmp_path / "q.pkl")
+    assert [load_proposals(tmp_path / "q.pkl").image_size(i) for i in BOXES] == sizes
+    # A .mat release records no sizes; neither do reference pickles.
+    convert_proposals(tmp_path / "p.pkl", tmp_path / "p.mat")
+    assert load_proposals(tmp_path / "p.mat").image_size("000005") is None
+    assert ProposalSet(["a"], [np.zeros((0, 4))]).image_size("a") is None
+
+    flat = ProposalSet.from_flat(
+        ["a", "b"], np.zeros((3, 4), np.float32), np.array([0, 1, 3]), image_sizes=np.array([[5, 6], [7, 8]])
+    )
+    assert flat.image_size("b") == (7, 8)
+
+
+@pytest.mark.parametrize(
+    "sizes, message",
+    [
+        ([(30, 40)], r"image_sizes of shape \(1, 2\); expected \(2, 2\)"),
+        ([(30, 40), (-1, 5)], "negative"),
+        ([(30, 40), (0, 5)], r"image 2 has size \(0, 5\)"),
+        ([(30.5, 40), (1, 5)], "integers"),
+    ],
+)
+def test_malformed_image_sizes_are_errors_naming_the_source(sizes, message):
+    with pytest.raises(ValueError, match=rf"ss\.pkl: .*{message}"):
+        ProposalSet([1, 2], [np.zeros((0, 4))] * 2, image_sizes=sizes, source="ss.pkl")
+
+
+def test_a_pickle_with_malformed_image_sizes_names_the_file_and_field(tmp_path):
+    path = tmp_path / "p.pkl"
+    path.write_bytes(pickle.dumps({"boxes": [np.zeros((1, 4))], "indexes": [5], "image_sizes": [[3, 4, 5]]}))
+    expected = rf"{path}: field 'image_sizes' of shape \(1, 3\); expected \(1, 2\)"
+    with pytest.raises(ValueError, match=expected):
+        load_proposals(path)
+
+
+def test_a_dataset_refuses_proposals_made_for_an_image_of_another_size(tmp_path):
+    from wsod.data.dataset import ImageRecord, WeakDetectionDataset
+    from wsod.data.proposals import ProposalSizeError
+
+    labels = np.ones(1, np.float32)
+    records = [ImageRecord(i, f"{i}.jpg", 30, 40, labels) for i in ("a", "b", "c")]
+    boxes = [np.array([[0, 0, 9, 9]], np.float32)] * 3
+    # "b" was 40 x 30 when its proposals were made; "c"'s size is unknown (e.g. an older file).
+    made = ProposalSet(["a", "b", "c"], boxes, image_sizes=[(30, 40), (40, 30), None], source="ss.proposals")
+    with pytest.raises(ProposalSizeError) as error:
+        WeakDetectionDataset(records, ["x"], made, check_files=False)
+    message = str(error.value)
+    assert "image 'b'" in message and "(30, 40)" in message and "(40, 30)" in message
+    assert "ss.proposals" in message and "1 of 3 images" in message
+    assert "python tools/make_proposals.py" in message and "\n" not in message
+    assert isinstance(error.value, ValueError)
+    # Sizes that agree, or are unknown, are accepted.
+    same = ProposalSet(["a", "b", "c"], boxes, image_sizes=[(30, 40), (30, 40), None])
+    assert len(WeakDetectionDataset(records, ["x"], same, check_files=False)) == 3
+    unknown = ProposalSet(["a", "b", "c"], boxes)  # a reference file: no sizes at all
+    assert len(WeakDetectionDataset(records, ["x"], unknown, check_files=False)) == 3
+    # The error survives pickling (data-loader workers, DDP) with its message.
+    assert str(pickle.loads(pickle.dumps(error.value))) == message

@@ -146,4 +146,36 @@ def test_make_proposals_tool_generates_reports_and_converts(tiny_toy, tmp_path, 
     assert tool.main(["convert", str(tmp_path / "ss.pkl"), str(tmp_path / "ss.mat")]) == 0
     _same(load_proposals(tmp_path / "ss.pkl"), load_proposals(tmp_path / "ss.mat"))
     with open(tmp_path / "ss.pkl", "rb") as f:
-        assert set(pickle.load(f)) == {"boxes", "scores", "indexes"}
+        # The reference keys, and the sizes of the images the proposals were made on (readers of the
+        # reference format ignore the extra key).
+        assert set(pickle.load(f)) == {"boxes", "scores", "indexes", "image_sizes"}
+
+
+def test_generation_records_the_size_of_each_decoded_image(jpeg, tmp_path):
+    images = [("a", tmp_path / "a.jpg"), ("b", tmp_path / "b.jpg")]
+    jpeg(images[0][1], 40, 50, seed=0)
+    jpeg(images[1][1], 30, 20, seed=1)
+    for output in (tmp_path / "ss.pkl", tmp_path / "ss.proposals"):
+        made, _ = generate_proposals(images, output, workers=1, progress=False)
+        assert [made.image_size(i) for i, _ in images] == [(40, 50), (30, 20)]
+        assert [load_proposals(output).image_size(i) for i, _ in images] == [(40, 50), (30, 20)]
+
+
+def test_shards_of_an_older_version_without_sizes_still_merge(jpeg, tmp_path, caplog):
+    images = [(f"i{n}", tmp_path / f"{n}.jpg") for n in range(3)]
+    for n, (_, path) in enumerate(images):
+        jpeg(path, 24 + n, 32, seed=n)
+    output = tmp_path / "ss.pkl"
+    full, _ = generate_proposals(images, output, workers=1, shard_size=2, progress=False, keep_parts=True)
+    # The first shard as an older wsod wrote it (ids and boxes only), the output not yet merged.
+    shard = tmp_path / "ss.pkl.parts" / "shard_00000.pkl"
+    old = pickle.loads(shard.read_bytes())
+    shard.write_bytes(pickle.dumps({"ids": old["ids"], "boxes": old["boxes"]}))
+    output.unlink()
+    with caplog.at_level("WARNING"):
+        merged, stats = generate_proposals(images, output, workers=1, shard_size=2, progress=False)
+    assert stats.images == 0  # nothing recomputed
+    _same(full, merged)
+    # Sizes are unknown for the older shard's images only; the others keep theirs.
+    assert [merged.image_size(i) for i, _ in images] == [None, None, (26, 32)]
+    assert "2 of 3 images" in caplog.text and "no recorded size" in caplog.text

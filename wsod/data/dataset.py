@@ -19,6 +19,9 @@ Bad input, and why each is an error or a skip:
   loaded; skipping it inside a worker would silently change batch composition and epoch length.
 - an image id absent from the proposal file: ``MissingProposalsError`` at construction naming the id, the
   count and the file.
+- an image whose size differs from the size the proposal file records for it (replaced or resized after
+  its proposals were made): ``ProposalSizeError`` at construction naming the image, both sizes, the file
+  and the command that remakes them; its boxes, clipped to the new picture, would train on nonsense.
 - an image whose proposals are all filtered away: its whole-image box stands in, with a warning and a
   per-process counter (``num_whole_image_fallbacks``); one such image is no reason to stop a run.
 - images without any image-level label (e.g. VOC xml without objects): kept, or dropped with one logged
@@ -105,7 +108,8 @@ class WeakDetectionDataset(Dataset):
     Args:
         records: one ``ImageRecord`` per image.
         classes: the C class names, index = class index.
-        proposals: a ``ProposalSet`` or the path of a proposal file; must hold every record's id.
+        proposals: a ``ProposalSet`` or the path of a proposal file; must hold every record's id, and
+            where it records an image's size, the record's (H, W).
         transform: item dict -> item dict, e.g. ``wsod.data.transforms.train_transform()``.
         min_proposal_size: proposals whose inclusive pixel width ``x2 - x1 + 1`` or height is below
             this are dropped (``wsod.data.proposals.filter_proposals``).
@@ -148,7 +152,10 @@ class WeakDetectionDataset(Dataset):
                     f"{len(missing)} of {len(records)} image files are missing; the first is {missing[0]}"
                 )
         self.proposals = proposals if isinstance(proposals, ProposalSet) else load_proposals(proposals)
-        self.proposals.require([r.image_id for r in records])
+        image_ids = [r.image_id for r in records]
+        self.proposals.require(image_ids)
+        # Array compares, no file read: cheap for COCO's 120k images (proposals without sizes pass).
+        self.proposals.check_image_sizes(image_ids, [(r.height, r.width) for r in records])
         self.records = records
         self.transform = transform
         self.min_proposal_size = min_proposal_size

@@ -7,12 +7,18 @@ operating system's page cache, shared by all processes, and are read in as image
 
     manifest.json    {"format": "wsod-proposal-store", "version": 1, "dtype": "float32" | "float16",
                       "num_images": N, "num_boxes": M, "id_type": "int" | "str" | "mixed",
-                      "has_scores": bool, "uuid": ..., "source": the file it was made from}
+                      "has_scores": bool, "has_sizes": bool, "uuid": ..., "source": the file it was
+                      made from}
     boxes.npy        (M, 4) float32 or float16, the boxes of all images one after the other
     offsets.npy      (N + 1,) int64: image i owns rows offsets[i]:offsets[i + 1]
     ids.npy          (N,) image ids in file order: int64 for integer ids, unicode for string ids;
                      with both kinds ("mixed") unicode, and id_is_int.npy (N,) bool marks the integers
     scores.npy       (M,) same dtype as the boxes; only when the source had scores that are not all zero
+    sizes.npy        (N, 2) int32 (H, W) of the image each image's proposals were made on, (0, 0) where
+                     unknown; only when the source recorded sizes (has_sizes; see wsod.data.proposals)
+
+``has_sizes`` and ``sizes.npy`` came after the first stores, within version 1: a manifest without
+``has_sizes`` is a store without sizes and opens as before, and a wsod that predates them ignores both.
 
 Ids keep their types (VOC's ``"2008_000008"`` stays a string, COCO's ``139`` an int) and are looked up
 through ``proposal_key`` like a ``ProposalSet``'s. ``ProposalStore`` is a ``ProposalSet``: lookups give
@@ -43,7 +49,7 @@ from pathlib import Path
 
 import numpy as np
 
-from wsod.data.proposals import ProposalSet, proposal_key
+from wsod.data.proposals import ProposalSet, _as_sizes, proposal_key
 
 __all__ = [
     "STORE_SUFFIX",
@@ -63,6 +69,7 @@ FORMAT = "wsod-proposal-store"
 VERSION = 1
 MANIFEST = "manifest.json"
 BOXES, OFFSETS, IDS, ID_IS_INT, SCORES = "boxes.npy", "offsets.npy", "ids.npy", "id_is_int.npy", "scores.npy"
+SIZES = "sizes.npy"
 CHUNK_ROWS = 1 << 20  # rows converted and written at a time: 16 MB of float32 boxes
 INT64 = np.iinfo(np.int64)
 
@@ -105,6 +112,10 @@ def _read_manifest(path: Path) -> dict:
     if manifest["dtype"] not in STORE_DTYPES or manifest["id_type"] not in ("int", "str", "mixed"):
         raise ProposalStoreError(
             f"{manifest_path}: unknown dtype {manifest['dtype']!r} or id_type {manifest['id_type']!r}"
+        )
+    if not isinstance(manifest.get("has_sizes", False), bool):  # absent: a store from before sizes
+        raise ProposalStoreError(
+            f"{manifest_path}: has_sizes {manifest['has_sizes']!r}; expected true or false"
         )
     return manifest
 
@@ -188,6 +199,12 @@ class ProposalStore(ProposalSet):
             self._scores = _map_array(self.path / SCORES, manifest_path, (m,), "f", self.dtype)
         self._image_ids: list[ImageId] | None = None
         self._index_dict: dict[ImageId, int] | None = None
+        self._sizes = None
+        if manifest.get("has_sizes", False):
+            sizes_path = self.path / SIZES
+            sizes = _map_array(sizes_path, manifest_path, (n, 2), "iu")
+            # Checked whole (8 bytes per image): the ids are only read to name a bad one.
+            self._sizes = _as_sizes(sizes, n, lambda i: self.image_ids[i], str(sizes_path))
 
     @classmethod
     def from_flat(cls, *args, **kwargs):
@@ -331,7 +348,7 @@ def write_proposal_store(proposals: ProposalSet, path: str | os.PathLike, *, dty
 
     ``dtype``: float32 (exact) or float16 (half the size; see the module docstring for its precision).
     Scores are kept unless they are all zero (Selective Search and most reference pickles), which a
-    pickle written back from the store restores anyway.
+    pickle written back from the store restores anyway; image sizes when the source records any.
     """
     path = Path(path)
     if not is_store_path(path):
@@ -341,6 +358,7 @@ def write_proposal_store(proposals: ProposalSet, path: str | os.PathLike, *, dty
     dtype_ = np.dtype(dtype)
     id_type, ids, id_is_int = _encode_ids(proposals.image_ids, proposals.source)
     boxes, offsets, scores = proposals._boxes, np.asarray(proposals._offsets, np.int64), proposals._scores
+    sizes = proposals.image_sizes
     if scores is not None and not any(
         np.any(scores[s : s + CHUNK_ROWS]) for s in range(0, len(scores), CHUNK_ROWS)
     ):
@@ -358,6 +376,8 @@ def write_proposal_store(proposals: ProposalSet, path: str | os.PathLike, *, dty
             _write_npy(tmp / ID_IS_INT, id_is_int, id_is_int.dtype, str(path))
         if scores is not None:
             _write_npy(tmp / SCORES, scores, dtype_, str(path))
+        if sizes is not None:  # int32: ProposalSet refuses sizes beyond it
+            _write_npy(tmp / SIZES, np.asarray(sizes), np.dtype(np.int32), str(path))
         manifest = {
             "format": FORMAT,
             "version": VERSION,
@@ -366,6 +386,7 @@ def write_proposal_store(proposals: ProposalSet, path: str | os.PathLike, *, dty
             "num_boxes": len(boxes),
             "id_type": id_type,
             "has_scores": scores is not None,
+            "has_sizes": sizes is not None,
             "uuid": uuid.uuid4().hex,
             "source": proposals.source,
         }

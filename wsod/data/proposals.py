@@ -18,6 +18,18 @@ Formats:
   process's RAM; see ``wsod.data.proposal_store``. ``load_proposals`` opens them as a ``ProposalStore``,
   a ``ProposalSet`` whose boxes stay on disk (in the page cache, shared by all processes).
 
+Image sizes: a ``ProposalSet`` may record, per image, the ``(H, W)`` of the image its proposals were made
+on (``image_size``). Selective Search generation (``wsod.data.selective_search``) records them; reference
+pickles and .mat releases do not (None). ``WeakDetectionDataset`` compares them with its records' sizes
+and refuses a mismatch (``ProposalSizeError``, which says to remake the proposals): an image replaced or
+resized after its proposals were made would otherwise have them clipped, silently, to another picture.
+wsod's pickles carry the sizes as one extra key, ``'image_sizes'``, an ``(N, 2)`` int32 array in file
+order with ``(0, 0)`` where a size is unknown; readers of the reference format look up the keys they
+know by name and ignore it. Stores keep them in ``sizes.npy``; .mat files do not carry them.
+
+Errors on a file that is not a proposal file, or one of the wrong structure, are one line naming the
+file and the field (pickle) or variable (.mat), with what is expected there.
+
 Image ids are matched after ``proposal_key``: a numeric id, or a string of digits and underscores, is
 compared as an integer. Reference VOC pickles store ``000005`` as ``5`` and ``2008_000008`` as
 ``2008000008``; with this rule the VOC ids from ImageSets files find them, and so do COCO's integer ids.
@@ -28,7 +40,7 @@ from __future__ import annotations
 import logging
 import os
 import pickle
-from collections.abc import Hashable, Iterator, Sequence
+from collections.abc import Callable, Hashable, Iterator, Sequence
 from pathlib import Path
 
 import numpy as np
@@ -42,6 +54,7 @@ from wsod.data.box_formats import from_one_based, to_one_based, xyxy_to_yxyx, yx
 
 __all__ = [
     "MissingProposalsError",
+    "ProposalSizeError",
     "ProposalSet",
     "proposal_key",
     "filter_proposals",
@@ -60,10 +73,28 @@ logger = logging.getLogger(__name__)
 ImageId = Hashable
 PICKLE_SUFFIXES = (".pkl", ".pickle")
 MAT_SUFFIXES = (".mat",)
+INT32_MAX = int(np.iinfo(np.int32).max)  # sizes are written as int32
+REMAKE = (
+    "make them again for the current images with python tools/make_proposals.py (the voc, coco, folder or"
+    " toy command that made them)"
+)
 
 
 class MissingProposalsError(LookupError):
     """An image id is not in the proposal file (the message names both)."""
+
+
+class ProposalSizeError(ValueError):
+    """Proposals made for an image of another size than the dataset's: the image was replaced or resized
+    after they were made. ``problem`` names the image, both sizes and the proposal file; ``fix`` is the
+    command that remakes them (a dataset that knows its exact command, ``FolderDataset``, gives it)."""
+
+    def __init__(self, problem: str, fix: str = REMAKE) -> None:
+        super().__init__(problem, fix)  # both in args: the error pickles and unpickles whole
+        self.problem, self.fix = problem, fix
+
+    def __str__(self) -> str:
+        return f"{self.problem}; {self.fix}"
 
 
 def proposal_key(image_id: ImageId) -> ImageId:
@@ -78,15 +109,101 @@ def proposal_key(image_id: ImageId) -> ImageId:
     return image_id
 
 
-def _as_boxes(boxes: np.ndarray, image_id: ImageId, source: str) -> np.ndarray:
+def _at(location: str | None, index: int) -> str:
+    """Where in a file an entry is, for a message: `` (field 'boxes', entry 3)``, or nothing."""
+    return "" if location is None else f" ({location} {index})"
+
+
+def _as_boxes(
+    boxes: object, image_id: ImageId, source: str, location: str | None = None, index: int = 0
+) -> np.ndarray:
     """Check one image's boxes: (R, 4), a single (4,) box, or empty; anything else (e.g. (R, 5) with a
-    score column) is an error rather than silently reshaped into wrong boxes."""
-    boxes = np.asarray(boxes, dtype=np.float32)
+    score column) is an error rather than silently reshaped into wrong boxes. ``location`` and ``index``
+    say where the entry is in the file (e.g. "field 'boxes', entry", 3), for the message."""
+    try:
+        boxes = np.asarray(boxes, dtype=np.float32)
+    except (TypeError, ValueError) as e:  # strings, ragged lists, objects
+        raise ValueError(
+            f"{source}: image {image_id!r} has boxes that are not numbers{_at(location, index)}: {e};"
+            " expected (R, 4) x1 y1 x2 y2"
+        ) from None
     if boxes.size == 0 or boxes.shape == (4,):
         return boxes.reshape(-1, 4)
     if boxes.ndim != 2 or boxes.shape[1] != 4:
-        raise ValueError(f"{source}: image {image_id!r} has boxes of shape {boxes.shape}; expected (R, 4)")
+        raise ValueError(
+            f"{source}: image {image_id!r} has boxes of shape {boxes.shape}{_at(location, index)};"
+            " expected (R, 4) x1 y1 x2 y2"
+        )
     return boxes
+
+
+def _as_scores(
+    scores: object,
+    num_boxes: int,
+    image_id: ImageId,
+    source: str,
+    location: str | None = None,
+    index: int = 0,
+) -> np.ndarray:
+    """Check one image's scores: one number per box -> float32 (R,)."""
+    try:
+        scores = np.asarray(scores, dtype=np.float32).reshape(-1)
+    except (TypeError, ValueError) as e:
+        raise ValueError(
+            f"{source}: image {image_id!r} has scores that are not numbers{_at(location, index)}: {e}"
+        ) from None
+    if len(scores) != num_boxes:
+        raise ValueError(
+            f"{source}: image {image_id!r} has {len(scores)} scores for {num_boxes} boxes"
+            f"{_at(location, index)}; expected one score per box"
+        )
+    return scores
+
+
+def _as_sizes(sizes: object, count: int, id_of: Callable[[int], ImageId], where: str) -> np.ndarray | None:
+    """Check per-image sizes: ``count`` (H, W) pairs (None for an unknown one), or an ``(count, 2)``
+    integer array with ``(0, 0)`` for an unknown one -> that array, or None when no size is known.
+    ``id_of(i)`` is image i's id and ``where`` the file (and field) the sizes came from, for messages."""
+    if sizes is None:
+        return None
+    if not isinstance(sizes, np.ndarray):
+        try:
+            sizes = [(0, 0) if s is None else s for s in sizes]
+        except TypeError:
+            raise ValueError(
+                f"{where} is {_a(sizes)}; expected {count} (H, W) image sizes, (0, 0) where unknown"
+            ) from None
+    try:
+        array = np.asarray(sizes)
+    except ValueError as e:  # ragged
+        raise ValueError(f"{where}: {e}; expected {count} (H, W) image sizes, (0, 0) where unknown") from None
+    if array.size == 0 and count == 0:
+        return None
+    if array.shape != (count, 2):
+        raise ValueError(
+            f"{where} of shape {array.shape}; expected ({count}, 2): the (H, W) of each image, (0, 0)"
+            " where unknown"
+        )
+    if array.dtype.kind not in "iu":
+        raise ValueError(f"{where}: {array.dtype} values; expected integers, the (H, W) of each image")
+    for bad, what in (
+        (np.any(array < 0, axis=1), "negative"),
+        ((array[:, 0] == 0) != (array[:, 1] == 0), "half unknown"),
+        (np.any(array > INT32_MAX, axis=1), "beyond int32"),
+    ):
+        if bad.any():
+            i = int(np.argmax(bad))
+            raise ValueError(
+                f"{where}: image {id_of(i)!r} has size ({int(array[i, 0])}, {int(array[i, 1])}) ({what});"
+                " expected a positive (H, W), or (0, 0) where unknown"
+            )
+    return array if array.any() else None
+
+
+def _a(value: object) -> str:
+    """The type of ``value`` with its article, for messages: "an int", "a list"."""
+    name = type(value).__name__
+    return f"{'an' if name[0] in 'aeiou' else 'a'} {name}"
 
 
 class ProposalSet:
@@ -99,6 +216,9 @@ class ProposalSet:
         image_ids: N image ids, in file order.
         boxes: N float arrays (R_i, 4), 0-based inclusive ``x1 y1 x2 y2``.
         scores: optional N arrays (R_i,); kept for round trips, unused by training.
+        image_sizes: optional (H, W) of the image each image's proposals were made on: N pairs (None
+            for an unknown one) or an (N, 2) integer array ((0, 0) for an unknown one); see the module
+            docstring.
         source: where the proposals came from (a file name), quoted in error messages.
     """
 
@@ -108,6 +228,7 @@ class ProposalSet:
         boxes: Sequence[np.ndarray],
         scores: Sequence[np.ndarray] | None = None,
         *,
+        image_sizes: Sequence[tuple[int, int] | None] | np.ndarray | None = None,
         source: str = "<memory>",
     ) -> None:
         if len(image_ids) != len(boxes) or (scores is not None and len(scores) != len(boxes)):
@@ -121,11 +242,12 @@ class ProposalSet:
         flat = np.concatenate(arrays) if arrays else np.zeros((0, 4), np.float32)
         flat_scores = None
         if scores is not None:
-            score_arrays = [np.asarray(s, dtype=np.float32).reshape(-1) for s in scores]
-            if any(len(s) != n for s, n in zip(score_arrays, counts, strict=True)):
-                raise ValueError(f"{source}: some images have a different number of scores and boxes")
+            score_arrays = [
+                _as_scores(s, n, image_id, source)
+                for s, n, image_id in zip(scores, counts, image_ids, strict=True)
+            ]
             flat_scores = np.concatenate(score_arrays) if score_arrays else np.zeros(0, np.float32)
-        self._set_flat(image_ids, flat, offsets, flat_scores, source)
+        self._set_flat(image_ids, flat, offsets, flat_scores, source, image_sizes)
 
     @classmethod
     def from_flat(
@@ -135,10 +257,12 @@ class ProposalSet:
         offsets: np.ndarray,
         scores: np.ndarray | None = None,
         *,
+        image_sizes: Sequence[tuple[int, int] | None] | np.ndarray | None = None,
         source: str = "<memory>",
     ) -> ProposalSet:
         """The proposals of N images from one float32 ``(M, 4)`` box array, without copying it: image
-        ``i`` owns rows ``offsets[i]:offsets[i + 1]`` (``offsets``: N + 1 non-decreasing, 0 to M)."""
+        ``i`` owns rows ``offsets[i]:offsets[i + 1]`` (``offsets``: N + 1 non-decreasing, 0 to M).
+        ``image_sizes`` as for the constructor."""
         boxes, offsets = np.asarray(boxes), np.asarray(offsets, dtype=np.int64)
         if boxes.dtype != np.float32 or boxes.ndim != 2 or boxes.shape[1] != 4:
             raise ValueError(f"{source}: boxes must be float32 (M, 4), got {boxes.dtype} {boxes.shape}")
@@ -154,7 +278,7 @@ class ProposalSet:
         if scores is not None and np.shape(scores) != (len(boxes),):
             raise ValueError(f"{source}: scores of shape {np.shape(scores)}; expected ({len(boxes)},)")
         proposals = cls.__new__(cls)
-        proposals._set_flat(image_ids, boxes, offsets, scores, source)
+        proposals._set_flat(image_ids, boxes, offsets, scores, source, image_sizes)
         return proposals
 
     def _set_flat(
@@ -164,10 +288,15 @@ class ProposalSet:
         offsets: np.ndarray,
         scores: np.ndarray | None,
         source: str,
+        image_sizes: Sequence[tuple[int, int] | None] | np.ndarray | None = None,
     ) -> None:
         self.source = str(source)
         self.image_ids = list(image_ids)
         self._boxes, self._offsets, self._scores = boxes, offsets, scores
+        # (N, 2) (H, W), (0, 0) where unknown; None when no size is known (ProposalStore sets it too).
+        self._sizes = _as_sizes(
+            image_sizes, len(self.image_ids), self.image_ids.__getitem__, f"{source}: image_sizes"
+        )
         self._index: dict[ImageId, int] = {}
         for i, image_id in enumerate(self.image_ids):
             key = proposal_key(image_id)
@@ -202,6 +331,41 @@ class ProposalSet:
             return None
         i = self._position(image_id)
         return self._scores[self._offsets[i] : self._offsets[i + 1]]
+
+    @property
+    def image_sizes(self) -> np.ndarray | None:
+        """(N, 2) integer (H, W) of the image each image's proposals were made on, in file order,
+        ``(0, 0)`` where unknown; None when the source records no size (reference pickles, .mat)."""
+        return self._sizes
+
+    def image_size(self, image_id: ImageId) -> tuple[int, int] | None:
+        """(H, W) of the image this image's proposals were made on, or None when not recorded."""
+        if self._sizes is None:
+            return None
+        height, width = (int(v) for v in self._sizes[self._position(image_id)])
+        return None if height == 0 else (height, width)
+
+    def check_image_sizes(self, image_ids: Sequence[ImageId], sizes: Sequence[tuple[int, int]]) -> None:
+        """Raise ``ProposalSizeError`` when an image's recorded size differs from its size in ``sizes``
+        ((H, W) per id, e.g. the dataset's records), naming the first such image, both sizes, the count
+        and the file. Images without a recorded size pass. One dict lookup per id and array compares:
+        a fraction of a second for COCO's 120k images, no file is read."""
+        if self._sizes is None or not len(image_ids):
+            return
+        positions = np.fromiter((self._position(i) for i in image_ids), np.int64, len(image_ids))
+        made = np.asarray(self._sizes[positions], dtype=np.int64)
+        now = np.asarray(sizes, dtype=np.int64).reshape(len(image_ids), 2)
+        differ = (made[:, 0] > 0) & np.any(made != now, axis=1)
+        if not differ.any():
+            return
+        first = int(np.argmax(differ))
+        raise ProposalSizeError(
+            f"{int(differ.sum())} of {len(image_ids)} images differ in size from the images the proposals"
+            f" in {self.source} were made for; the first is image {image_ids[first]!r}: (H, W)"
+            f" ({int(now[first, 0])}, {int(now[first, 1])}) in the dataset, ({int(made[first, 0])},"
+            f" {int(made[first, 1])}) when its proposals were made (it was replaced or resized since, and"
+            " they belong to the old picture)"
+        )
 
     def items(self) -> Iterator[tuple[ImageId, np.ndarray]]:
         """(image id, boxes (R, 4)) in file order."""
@@ -272,37 +436,98 @@ def whole_image_box(image_size: tuple[int, int]) -> Tensor:
 # Files
 
 
+PICKLE_LAYOUT = (
+    "a dict with fields 'boxes', a list of (R, 4) arrays, and 'indexes' (or 'ids'), the image ids, one per"
+    " box array"
+)
+
+
+def _is_list(value: object) -> bool:
+    """Whether a pickle field holds one entry per image (a list, tuple or array; not a str or dict)."""
+    return isinstance(value, list | tuple) or (isinstance(value, np.ndarray) and value.ndim >= 1)
+
+
+def _keys(data: dict) -> str:
+    """A dict's keys for a message, the first few of a long one (a pickle of 120k ids -> boxes)."""
+    keys = list(data)
+    return repr(keys) if len(keys) <= 6 else f"{keys[:5]!r}"[:-1] + f", ... {len(keys)} keys]"
+
+
 def read_proposal_pickle(path: str | os.PathLike) -> ProposalSet:
-    """Read the reference pickle format (see the module docstring)."""
-    with open(path, "rb") as f:
-        data = pickle.load(f, encoding="latin1")
-    if not isinstance(data, dict) or "boxes" not in data or not ({"indexes", "ids"} & data.keys()):
-        found = sorted(data) if isinstance(data, dict) else type(data).__name__
-        raise ValueError(f"{path}: expected a dict with keys 'boxes' and 'indexes' (or 'ids'), got {found}")
-    ids = data["indexes"] if "indexes" in data else data["ids"]
+    """Read the reference pickle format (see the module docstring). A file that does not unpickle, or
+    holds another structure, is a ``ValueError`` naming the file and the field, and what is expected."""
+    try:
+        with open(path, "rb") as f:
+            data = pickle.load(f, encoding="latin1")
+    except OSError:
+        raise  # not found, no permission: the message names the file already
+    except Exception as e:  # a text file, an image, a truncated pickle: unpickling raises nearly any type
+        raise ValueError(
+            f"{path}: not a readable pickle ({type(e).__name__}: {e}); expected a proposal pickle,"
+            f" {PICKLE_LAYOUT}"
+        ) from e
+    if not isinstance(data, dict):
+        raise ValueError(f"{path}: expected {PICKLE_LAYOUT}, got {_a(data)}")
+    if "boxes" not in data:
+        raise ValueError(f"{path}: no field 'boxes' (it has {_keys(data)}); expected {PICKLE_LAYOUT}")
+    ids_field = "indexes" if "indexes" in data else "ids"
+    if ids_field not in data:
+        raise ValueError(
+            f"{path}: no field 'indexes' (or 'ids') (it has {_keys(data)}); expected {PICKLE_LAYOUT}"
+        )
+    boxes, ids = data["boxes"], data[ids_field]
+    for field, value in (("boxes", boxes), (ids_field, ids)):
+        if not _is_list(value):
+            raise ValueError(f"{path}: field {field!r} is {_a(value)}; expected a list, one entry per image")
+    if len(boxes) != len(ids):
+        raise ValueError(
+            f"{path}: field 'boxes' has {len(boxes)} entries and field {ids_field!r} {len(ids)}; expected"
+            " one box array per image id"
+        )
+    ids, source = list(ids), str(path)
+    arrays = [
+        _as_boxes(b, i, source, "field 'boxes', entry", n)
+        for n, (b, i) in enumerate(zip(boxes, ids, strict=True))
+    ]
     scores = data.get("scores")
-    if scores is not None and len(scores) != len(data["boxes"]):
+    if scores is not None and (not _is_list(scores) or len(scores) != len(arrays)):
         scores = None  # some releases ship an empty or placeholder 'scores'; they are unused anyway
-    return ProposalSet(list(ids), list(data["boxes"]), scores, source=str(path))
+    if scores is not None:
+        scores = [
+            _as_scores(s, len(b), i, source, "field 'scores', entry", n)
+            for n, (s, b, i) in enumerate(zip(scores, arrays, ids, strict=True))
+        ]
+    sizes = _as_sizes(data.get("image_sizes"), len(ids), ids.__getitem__, f"{path}: field 'image_sizes'")
+    return ProposalSet(ids, arrays, scores, image_sizes=sizes, source=source)
 
 
 def write_proposal_pickle(proposals: ProposalSet, path: str | os.PathLike) -> None:
-    """Write the reference pickle format atomically; missing scores are written as zeros."""
+    """Write the reference pickle format atomically; missing scores are written as zeros, and known image
+    sizes as the extra key ``'image_sizes'`` (see the module docstring)."""
     boxes = [np.array(b) for _, b in proposals.items()]
     scores = [
         np.zeros(len(b), np.float32) if s is None else np.array(s)
         for b, s in zip(boxes, map(proposals.scores, proposals.image_ids), strict=True)
     ]
     data = {"boxes": boxes, "scores": scores, "indexes": list(proposals.image_ids)}
+    if proposals.image_sizes is not None:
+        data["image_sizes"] = np.asarray(proposals.image_sizes, dtype=np.int32)
     with atomic_write(path) as f:
         pickle.dump(data, f, protocol=pickle.HIGHEST_PROTOCOL)
 
 
-def _mat_id(cell: object) -> ImageId:
+MAT_LAYOUT = (
+    "a .mat release with variables 'boxes', a cell array of (R, 4) matrices, and 'images', the image ids"
+)
+
+
+def _mat_id(cell: object, path: str | os.PathLike, index: int) -> ImageId:
     """One entry of a MATLAB cell of image ids (a string or a number, often wrapped in 1-element arrays)."""
     value = np.asarray(cell).ravel()
     if value.dtype.kind in "US":
         return "".join(str(v) for v in value).strip()
+    if value.size == 0:
+        raise ValueError(f"{path}: variable 'images' cell {index} is empty; expected an image id")
     return int(value[0]) if value.dtype.kind in "iuf" else str(value[0])
 
 
@@ -316,26 +541,52 @@ def read_proposal_mat(
         data = scipy.io.loadmat(path)
     except NotImplementedError as e:  # scipy's answer to HDF5-based v7.3 files
         raise ValueError(f"{path}: MATLAB v7.3 files are not supported; re-save with '-v7' ({e})") from e
-    if "boxes" not in data or "images" not in data:
-        found = sorted(k for k in data if not k.startswith("__"))
-        raise ValueError(f"{path}: expected variables 'boxes' and 'images', found {found}")
+    except OSError:
+        raise  # not found, no permission: the message names the file already
+    except Exception as e:  # not a MATLAB file, or a damaged one: scipy raises nearly any type
+        raise ValueError(
+            f"{path}: not a readable MATLAB file ({type(e).__name__}: {e}); expected {MAT_LAYOUT}"
+        ) from e
+    for variable in ("boxes", "images"):
+        if variable not in data:
+            found = sorted(k for k in data if not k.startswith("__"))
+            raise ValueError(f"{path}: no variable {variable!r} (found {found}); expected {MAT_LAYOUT}")
+    if data["boxes"].dtype != object:
+        raise ValueError(
+            f"{path}: variable 'boxes' is a {data['boxes'].dtype} {data['boxes'].shape} matrix; expected a"
+            " cell array of (R, 4) matrices, one per image"
+        )
     cells = data["boxes"].ravel()
     # A cell arrives as an object array, a char matrix (one id per row) as an array of strings, numbers
     # as a numeric array: all three ravel to one entry per image.
-    ids = [_mat_id(c) for c in data["images"].ravel()]
-    boxes = []
-    for cell in cells:
-        b = np.asarray(cell, dtype=np.float32).reshape(-1, 4)
+    ids = [_mat_id(c, path, n) for n, c in enumerate(data["images"].ravel())]
+    if len(cells) != len(ids):
+        raise ValueError(
+            f"{path}: variable 'boxes' has {len(cells)} cells and variable 'images' {len(ids)}; expected one"
+            " box array per image id"
+        )
+    source, boxes = str(path), []
+    for n, (cell, image_id) in enumerate(zip(cells, ids, strict=True)):
+        # Checked, not reshaped: a (4, 5) cell reshaped to (-1, 4) would be five wrong boxes.
+        b = _as_boxes(cell, image_id, source, "variable 'boxes', cell", n)
         b = yxyx_to_xyxy(b) if box_order == "yxyx" else b
         boxes.append(from_one_based(b) if one_based else b)
-    scores = [np.asarray(s, np.float32).ravel() for s in data["scores"].ravel()] if "scores" in data else None
-    return ProposalSet(ids, boxes, scores, source=str(path))
+    scores = data["scores"].ravel() if "scores" in data else None
+    if scores is not None and len(scores) != len(boxes):
+        scores = None  # a placeholder, as in pickles; unused anyway
+    if scores is not None:
+        scores = [
+            _as_scores(s, len(b), i, source, "variable 'scores', cell", n)
+            for n, (s, b, i) in enumerate(zip(scores, boxes, ids, strict=True))
+        ]
+    return ProposalSet(ids, boxes, scores, source=source)
 
 
 def write_proposal_mat(
     proposals: ProposalSet, path: str | os.PathLike, *, box_order: str = "yxyx", one_based: bool = True
 ) -> None:
-    """Write a MATLAB release in the layout ``read_proposal_mat`` reads (default: 1-based ``yxyx``)."""
+    """Write a MATLAB release in the layout ``read_proposal_mat`` reads (default: 1-based ``yxyx``);
+    like the releases, it carries no image sizes."""
     boxes = np.empty((1, len(proposals)), dtype=object)
     images = np.empty((len(proposals), 1), dtype=object)
     for i, (image_id, b) in enumerate(proposals.items()):
@@ -405,8 +656,16 @@ def convert_proposals(
     or a ``.pkl`` -> a memory-mapped ``.proposals`` store).
 
     ``box_order`` and ``one_based`` describe whichever side is a ``.mat`` file; ``dtype`` (float32 or
-    float16) the boxes of a ``.proposals`` destination.
+    float16) the boxes of a ``.proposals`` destination. Image sizes are kept where both sides carry them
+    (pickles and stores). A destination of unknown type is refused before the source is read.
     """
+    from wsod.data.proposal_store import is_store_path
+
+    if (
+        not is_store_path(destination)
+        and Path(destination).suffix.lower() not in PICKLE_SUFFIXES + MAT_SUFFIXES
+    ):
+        raise _unknown_type(destination)
     proposals = load_proposals(source, box_order=box_order, one_based=one_based)
     save_proposals(proposals, destination, dtype=dtype, box_order=box_order, one_based=one_based)
     return proposals

@@ -7,6 +7,11 @@ exist and the final file is the merge of all shards in dataset order: a referenc
 store when ``output`` ends with ``.proposals``. ``{output}.parts/manifest.json``
 records the image list and settings, so parts from a different run are refused instead of mixed in.
 
+Each image's size as decoded, ``(H, W)``, is recorded with its boxes, in the shards and the final file
+(``ProposalSet.image_size``), so that a dataset refuses proposals made for an image that was replaced or
+resized since. Shards written by a wsod that did not record sizes (a run resumed after an upgrade) still
+merge: their images' sizes are unknown, never read from the files now, which may have changed since.
+
 Boxes are filtered as at load time (``wsod.data.proposals.filter_proposals``) and keep Selective
 Search's ranking order, so a ``top_k`` cap at load time keeps the best-ranked ones. OpenCV returns
 ``(x, y, w, h)`` rectangles; they become 0-based inclusive ``x1 y1 x2 y2`` (``box_formats``). Scores are
@@ -104,15 +109,18 @@ class _ShardTask(NamedTuple):
 
 
 def _run_shard(task: _ShardTask) -> tuple[int, float]:
-    """Selective Search on one shard of images; writes the shard file, returns (images, seconds)."""
+    """Selective Search on one shard of images; writes the shard file, a pickle of ``{"ids", "boxes",
+    "sizes"}`` (sizes: (H, W) per image as decoded), returns (images, seconds)."""
     start = time.perf_counter()
-    boxes = []
+    boxes, sizes = [], []
     for path in task.image_paths:
         image = _read_bgr(path)
         raw = selective_search(image, task.mode)
         boxes.append(filter_proposals(raw, image.shape[:2], min_size=task.min_size, top_k=task.top_k).numpy())
+        sizes.append((int(image.shape[0]), int(image.shape[1])))  # the pixels the boxes were made on
     with atomic_write(task.path) as f:
-        pickle.dump({"ids": task.image_ids, "boxes": boxes}, f, protocol=pickle.HIGHEST_PROTOCOL)
+        shard = {"ids": task.image_ids, "boxes": boxes, "sizes": sizes}
+        pickle.dump(shard, f, protocol=pickle.HIGHEST_PROTOCOL)
     return len(task.image_paths), time.perf_counter() - start
 
 
@@ -207,13 +215,25 @@ def generate_proposals(
                 pool.join()
     wall = time.perf_counter() - start
 
-    merged: dict[str, list] = {"ids": [], "boxes": []}
+    merged: dict[str, list] = {"ids": [], "boxes": [], "sizes": []}
+    unsized = 0  # images of shards from a wsod that did not record sizes
     for path in shard_paths:
         with open(path, "rb") as f:
             shard = pickle.load(f)
         merged["ids"] += shard["ids"]
         merged["boxes"] += shard["boxes"]
-    proposals = ProposalSet(merged["ids"], merged["boxes"], source=str(output))
+        if "sizes" not in shard:
+            unsized += len(shard["ids"])
+        merged["sizes"] += shard.get("sizes", [None] * len(shard["ids"]))
+    if unsized:
+        logger.warning(
+            "%d of %d images come from shards written by an older wsod and have no recorded size: a dataset"
+            " cannot check that they are unchanged since; make the proposals again from scratch to record"
+            " them",
+            unsized,
+            len(merged["ids"]),
+        )
+    proposals = ProposalSet(merged["ids"], merged["boxes"], image_sizes=merged["sizes"], source=str(output))
     if is_store_path(output):
         write_proposal_store(proposals, output)
     else:
