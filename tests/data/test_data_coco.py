@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 import torch
 
-from wsod.data.coco import CocoDataset, load_coco_records
+from wsod.data.coco import CocoDataset, load_coco_records, read_coco_json
 from wsod.data.loader import collate
 from wsod.data.proposals import ProposalSet
 from wsod.data.transforms import test_transform
@@ -97,7 +97,9 @@ def test_unknown_category_is_an_error_naming_the_file(tmp_path, jpeg, write_json
     path = write_json(
         {"images": _images(tmp_path, jpeg), "categories": CATEGORIES, "annotations": annotations}
     )
-    with pytest.raises(ValueError, match=r"annotations\.json: annotation 0 \(image 42\) has category id 99"):
+    with pytest.raises(
+        ValueError, match=r"annotations\.json: annotations\[0\] \(image 42\) has category id 99"
+    ):
         load_coco_records(path, tmp_path / "images")
 
 
@@ -105,7 +107,7 @@ def test_unknown_image_and_mixed_bbox_are_errors(tmp_path, jpeg, write_json):
     images = _images(tmp_path, jpeg)
     ghost = [{"id": 1, "image_id": 5, "category_id": 1, "bbox": [0, 0, 1, 1]}]
     path = write_json({"images": images, "categories": CATEGORIES, "annotations": ghost}, "ghost.json")
-    with pytest.raises(ValueError, match=r"ghost\.json: annotation 0 refers to image id 5"):
+    with pytest.raises(ValueError, match=r"ghost\.json: annotations\[0\] refers to image id 5"):
         load_coco_records(path, tmp_path / "images")
     mixed = [{"image_id": 42, "category_id": 1, "bbox": [0, 0, 1, 1]}, {"image_id": 7, "category_id": 1}]
     path = write_json({"images": images, "categories": CATEGORIES, "annotations": mixed}, "mixed.json")
@@ -126,3 +128,129 @@ def test_a_json_without_images_names_the_file(tmp_path, write_json):
     path = write_json({"images": [], "categories": CATEGORIES, "annotations": []}, "empty.json")
     with pytest.raises(ValueError, match=r"empty\.json: no 'images' list, or an empty one"):
         load_coco_records(path, tmp_path / "images")
+
+
+def test_optional_annotation_fields_are_filled_in_as_pycocotools_reads_them(tmp_path, jpeg, write_json):
+    annotations = [
+        {"image_id": 42, "category_id": 7, "bbox": [10, 5, 20, 30]},
+        # COCO's own area is the segmentation's (here smaller than the box's 100): kept, it decides the
+        # small/medium/large split of the evaluation; a given id and iscrowd are kept too.
+        {"image_id": 42, "category_id": 1, "bbox": [0, 0, 10, 10], "area": 64.5, "id": 17, "iscrowd": 1},
+        {"image_id": 7, "category_id": 3, "bbox": [2, 4, 6, 8]},
+    ]
+    path = write_json(
+        {"images": _images(tmp_path, jpeg), "categories": CATEGORIES, "annotations": annotations}
+    )
+    coco = read_coco_json(path)
+    filled = [(a["id"], a["iscrowd"], a["area"]) for a in coco.dataset["annotations"]]
+    assert filled == [(1, 0, 600), (17, 1, 64.5), (3, 0, 48)]  # id i + 1, not crowd, w * h
+    assert sorted(coco.anns) == [1, 3, 17] and coco.getAnnIds(imgIds=[42], iscrowd=False) == [1]
+    dataset = CocoDataset(path, tmp_path / "images", _proposals([42, 7, 100]))
+    assert dataset.coco.dataset["annotations"] == coco.dataset["annotations"]  # what evaluation scores
+
+
+def _valid():
+    images = [{"id": i, "file_name": f"img_{i}.jpg", "height": 20, "width": 20} for i in (42, 7, 100)]
+    annotations = [
+        {"id": 1, "image_id": 42, "category_id": 7, "bbox": [0, 0, 5, 5]},
+        {"id": 2, "image_id": 7, "category_id": 1, "bbox": [1, 1, 5, 5]},
+    ]
+    return {"images": images, "categories": [dict(c) for c in CATEGORIES], "annotations": annotations}
+
+
+def _drop(entry, key):
+    del entry[key]
+
+
+# What each did before: KeyError (no file, no field) for the missing ids, file names and names; a
+# misleading "category id None" / "image id None" for the annotation fields; a numpy error or a silently
+# wrong box for the bboxes; and for the duplicates a wrong answer (pycocotools' index keeps one entry
+# per id: a ground-truth box lost, another counted twice; one image's records twice; one class name).
+BAD_ENTRIES = {
+    "image without id": (lambda d: _drop(d["images"][1], "id"), r"images\[1\] has no 'id'"),
+    "image without file_name": (
+        lambda d: _drop(d["images"][1], "file_name"),
+        r"images\[1\] \(id 7\) has no 'file_name'",
+    ),
+    "image not an object": (lambda d: d["images"].append(5), r"images\[3\] is not a json object"),
+    "duplicate image id": (
+        lambda d: d["images"][2].update(id=42),
+        r"images\[2\] has id 42, as images\[0\] does: image ids must be unique",
+    ),
+    "image id a list": (
+        lambda d: d["images"][0].update(id=[42]),
+        r"images\[0\] has id \[42\]: expected an integer or a string",
+    ),
+    "category without id": (lambda d: _drop(d["categories"][1], "id"), r"categories\[1\] has no 'id'"),
+    "category without name": (
+        lambda d: _drop(d["categories"][1], "name"),
+        r"categories\[1\] \(id 1\) has no 'name'",
+    ),
+    "duplicate category id": (
+        lambda d: d["categories"][2].update(id=7),
+        r"categories\[2\] has id 7, as categories\[0\] does: category ids must be unique",
+    ),
+    "annotation without image_id": (
+        lambda d: _drop(d["annotations"][1], "image_id"),
+        r"annotations\[1\] has no 'image_id'",
+    ),
+    "annotation without category_id": (
+        lambda d: _drop(d["annotations"][1], "category_id"),
+        r"annotations\[1\] \(image 7\) has no 'category_id'",
+    ),
+    "bbox of 3 numbers": (
+        lambda d: d["annotations"][1].update(bbox=[1, 1, 5]),
+        r"annotations\[1\] \(image 7\) has bbox \[1, 1, 5\]: expected \[x, y, w, h\], 4 finite numbers",
+    ),
+    "bbox with a string": (
+        lambda d: d["annotations"][1].update(bbox=[1, 1, "5", 5]),
+        r"annotations\[1\] \(image 7\) has bbox \[1, 1, '5', 5\]: expected",
+    ),
+    "bbox of negative width": (
+        lambda d: d["annotations"][1].update(bbox=[10, 1, -5, 5]),
+        r"annotations\[1\] \(image 7\) has bbox \[10, 1, -5, 5\]: expected .* w, h >= 0",
+    ),
+    "area not a number": (
+        lambda d: d["annotations"][1].update(area="big"),
+        r"annotations\[1\] \(image 7\) has area 'big': expected a finite number >= 0",
+    ),
+    "annotation id not an integer": (
+        lambda d: d["annotations"][1].update(id="2"),
+        r"annotations\[1\] has id '2': annotation ids must be integers",
+    ),
+    "duplicate annotation id": (
+        lambda d: d["annotations"][1].update(id=1),
+        r"annotations\[1\] has id 1, as annotations\[0\] does: annotation ids must be unique",
+    ),
+    "a missing id numbered onto a given one": (
+        lambda d: _drop(d["annotations"][0], "id") or d["annotations"][1].update(id=1),
+        r"annotations\[0\] has no 'id' and would be numbered 1, the id of annotations\[1\]",
+    ),
+    "annotations not a list": (lambda d: d.update(annotations={}), r"'annotations' is not a list"),
+}
+
+
+@pytest.mark.parametrize("case", list(BAD_ENTRIES))
+def test_a_bad_entry_is_an_error_naming_the_file_and_field(tmp_path, write_json, case):
+    mutate, message = BAD_ENTRIES[case]
+    data = _valid()
+    mutate(data)
+    path = write_json(data, "bad.json")
+    with pytest.raises(ValueError, match=r"^.*bad\.json: " + message):
+        load_coco_records(path, tmp_path / "images")
+
+
+def test_a_json_that_is_not_an_object_names_the_file(tmp_path, write_json):
+    path = write_json([{"id": 1}], "list.json")
+    with pytest.raises(ValueError, match=r"list\.json: expected a json object with 'images', 'categories'"):
+        load_coco_records(path, tmp_path / "images")
+
+
+def test_the_ground_truth_read_for_evaluation_is_the_one_the_records_came_from(tmp_path, jpeg, write_json):
+    data = {"images": _images(tmp_path, jpeg), "categories": CATEGORIES, "annotations": []}
+    path = write_json(data, "test.json")
+    dataset = CocoDataset(path, tmp_path / "images", _proposals([42, 7, 100]))
+    data["images"] = data["images"][:2]
+    write_json(data, "test.json")  # rewritten after the records were built (and not yet read again)
+    with pytest.raises(ValueError, match=r"test\.json: changed since the dataset was built from it"):
+        _ = dataset.coco

@@ -3,20 +3,27 @@ per-class values, the kept random baseline and the tensorboard previews of each 
 
 from __future__ import annotations
 
+import contextlib
+import io
 import json
 from dataclasses import replace
 
+import numpy as np
 import pytest
 import torch
+from pycocotools.coco import COCO
+from pycocotools.cocoeval import COCOeval
 
 import wsod.engine.evaluate as evaluate
 from wsod.build import build_model
 from wsod.data.coco import CocoDataset
 from wsod.data.dataset import WeakDetectionDataset
+from wsod.data.proposals import ProposalSet
 from wsod.data.toy import TOY_CLASSES, ensure_toy_dataset
 from wsod.engine.evaluate import NO_BOXES, Evaluator, evaluate_detections, write_evaluation
 from wsod.engine.inference import predict
 from wsod.engine.run_log import RunLog
+from wsod.evaluation.coco import STAT_NAMES, format_coco_stats, to_coco_results
 
 TINY_MODEL = {"backbone": "resnet18", "width": 0.25, "weights": None, "chunk_size": 8}
 
@@ -128,3 +135,90 @@ def test_image_scores_are_the_teachers_phi_averaged_over_the_views(toy_test, mon
         model, subset, scales=[160], max_size=1000, flip=True, num_workers=0, progress=False
     )
     torch.testing.assert_close(detections["image_scores"], torch.full((5,), 0.4))
+
+
+# A boxed COCO json as people write their own: no annotation "id", "iscrowd" or "area" (optional in
+# wsod/data/coco.py). Three 64 x 64 images, so no object is large: APl and ARl are undefined (-1).
+COCO_OBJECTS = [  # image id, category id, xywh
+    (1, 1, [4, 4, 20, 20]),  # small: 400 < 32^2
+    (1, 2, [10, 8, 40, 50]),  # medium
+    (2, 2, [0, 0, 16, 24]),  # small
+    (3, 1, [30, 30, 34, 34]),  # medium
+]
+COCO_DETECTIONS = [  # per image: xyxy boxes, scores (exact in float32), labels (category id - 1)
+    ([[4, 4, 24, 24], [12, 8, 50, 58], [30, 30, 60, 60]], [0.875, 0.625, 0.25], [0, 1, 0]),
+    ([[0, 0, 16, 20]], [0.75], [1]),
+    ([[28, 30, 64, 64], [0, 0, 10, 10]], [0.6875, 0.125], [0, 1]),
+]
+
+
+def _coco_test_set(tmp_path, filled: bool):
+    """The json above (written with the optional fields or without), its images and a few proposals."""
+    from PIL import Image
+
+    (tmp_path / "images").mkdir(exist_ok=True)
+    for image_id in (1, 2, 3):
+        Image.new("RGB", (64, 64), (40 * image_id, 90, 160)).save(tmp_path / "images" / f"{image_id}.jpg")
+    annotations = [{"image_id": i, "category_id": c, "bbox": b} for i, c, b in COCO_OBJECTS]
+    if filled:
+        annotations = [{**a, "id": n + 1, "iscrowd": 0, "area": a["bbox"][2] * a["bbox"][3]}
+                       for n, a in enumerate(annotations)]  # fmt: skip
+    data = {
+        "images": [{"id": i, "file_name": f"{i}.jpg", "width": 64, "height": 64} for i in (1, 2, 3)],
+        "categories": [{"id": 1, "name": "cat"}, {"id": 2, "name": "dog"}],
+        "annotations": annotations,
+    }
+    path = tmp_path / ("filled.json" if filled else "raw.json")
+    path.write_text(json.dumps(data))
+    boxes = np.array([[0, 0, 30, 30], [10, 8, 50, 58], [30, 30, 63, 63], [0, 0, 63, 63]], np.float32)
+    return path, CocoDataset(path, tmp_path / "images", ProposalSet([1, 2, 3], [boxes] * 3))
+
+
+def _coco_detections():
+    return [
+        {
+            "boxes": torch.tensor(b, dtype=torch.float32),
+            "scores": torch.tensor(s),
+            "labels": torch.tensor(labels),
+        }
+        for b, s, labels in COCO_DETECTIONS
+    ]
+
+
+def test_a_coco_json_without_optional_annotation_fields_evaluates_like_the_filled_in_file(tmp_path):
+    # The path that trained and then failed with KeyError 'id' (then 'iscrowd', then 'area') inside
+    # pycocotools, which re-read the raw file: evaluation now scores against the loader's normalised json.
+    _, dataset = _coco_test_set(tmp_path, filled=False)
+    filled, _ = _coco_test_set(tmp_path, filled=True)
+    metrics, report = evaluate_detections(_coco_detections(), dataset, metric="coco")
+
+    results = to_coco_results(_coco_detections(), [1, 2, 3], [1, 2])
+    with contextlib.redirect_stdout(io.StringIO()):
+        ground_truth = COCO(str(filled))
+        evaluator = COCOeval(ground_truth, ground_truth.loadRes(results), iouType="bbox")
+        evaluator.evaluate()
+        evaluator.accumulate()
+        evaluator.summarize()
+    assert list(metrics.values()) == evaluator.stats.tolist()
+    assert 0 < metrics["AP"] < 1 and metrics["APl"] == -1.0  # not degenerate; and an undefined value
+    assert report == format_coco_stats(metrics)
+    # The ground truth is read once and reused: COCOeval's writes into it change nothing the next time.
+    assert evaluate_detections(_coco_detections(), dataset, metric="coco")[0] == metrics
+
+
+def test_the_coco_random_baseline_line_prints_undefined_values_as_the_table_does(tmp_path):
+    _, dataset = _coco_test_set(tmp_path, filled=False)
+    evaluator = Evaluator(dataset, scales=[64], max_size=100, metric="coco", num_workers=0, progress=False)
+    model = build_model(TINY_MODEL, 2).eval()
+    result = evaluator.score(_coco_detections(), model, random_baseline=True)
+
+    line = result.report.splitlines()[-1]
+    assert line.startswith("random scores over the same proposals: AP ")
+    values = dict(part.split(" ") for part in line.split(": ", 1)[1].split(", "))
+    assert list(values) == list(STAT_NAMES)
+    assert values["APl"] == values["ARl"] == "-"  # no large object: undefined, as in the table above
+    assert all(v == "-" or 0 <= float(v) <= 100 for v in values.values())
+    assert "-100.00" not in result.report
+    write_evaluation(result, dataset, tmp_path / "eval")
+    written = json.loads((tmp_path / "eval" / "metrics.json").read_text())
+    assert written["random_APl"] == written["random_ARl"] == -1.0  # the raw numbers are kept

@@ -162,3 +162,67 @@ def test_format_coco_stats():
         "copypaste: COCO bbox AP,AP50,AP75,APs,APm,APl,AR1,AR10,AR100,ARs,ARm,ARl: "
         "12.50,25.00,0.00,nan,50.00,100.00,10.00,20.00,30.00,nan,40.00,60.00"
     )
+
+
+def _without(data, *fields, keep=()):
+    """``data`` with ``fields`` removed from every annotation but those numbered in ``keep``."""
+    annotations = [
+        a if n in keep else {k: v for k, v in a.items() if k not in fields}
+        for n, a in enumerate(data["annotations"])
+    ]
+    return {**data, "annotations": annotations}
+
+
+def test_a_raw_file_without_optional_fields_evaluates_as_the_filled_in_one(gt_path, tmp_path):
+    # Before: KeyError 'id' (then 'iscrowd', then 'area') inside pycocotools, which read the file raw.
+    raw = tmp_path / "raw.json"
+    raw.write_text(json.dumps(_without(ground_truth(), "id", "iscrowd", "area")))
+    results = to_coco_results(detections(), IMAGE_IDS, CATEGORY_IDS)
+    expected = pycocotools_stats(gt_path)
+    assert list(evaluate_coco(results, raw).values()) == expected
+    loaded = json.loads(raw.read_text())
+    assert list(evaluate_coco(results, loaded).values()) == expected
+    assert loaded == json.loads(raw.read_text())  # a dict ground truth is left as it was given
+
+
+def test_a_given_area_is_kept_for_the_size_ranges(tmp_path):
+    # COCO's "area" is the segmentation's, smaller than the box's: an object with a 2500 px box but a
+    # 900 px mask is small. A given area is kept; w * h only stands in where none is given.
+    data = ground_truth()
+    data["annotations"][1]["area"] = 900.0  # the 50 x 50 box of image 10
+    given = tmp_path / "given.json"
+    given.write_text(json.dumps(data))
+    partly = tmp_path / "partly.json"
+    partly.write_text(json.dumps(_without(data, "area", keep={1})))
+    results = to_coco_results(detections(), IMAGE_IDS, CATEGORY_IDS)
+    stats = evaluate_coco(results, partly)
+    assert list(stats.values()) == pycocotools_stats(given)
+    assert stats != evaluate_coco(results, _without(data, "area"))  # the size split did change
+
+
+def test_evaluation_errors_name_the_annotation_file(gt_path, tmp_path):
+    results = to_coco_results(detections(), IMAGE_IDS, CATEGORY_IDS)
+    # An image id the ground truth lacks (pycocotools: a bare AssertionError).
+    stray = [*results, {"image_id": 99, "category_id": 1, "bbox": [0, 0, 1, 1], "score": 0.5}]
+    with pytest.raises(ValueError, match=r"instances\.json has no image 99 that the results name"):
+        evaluate_coco(stray, gt_path)
+    # Anything pycocotools itself raises (here: a result without a score, KeyError 'score').
+    scoreless = [{k: v for k, v in r.items() if k != "score"} for r in results]
+    with pytest.raises(
+        ValueError, match=r"COCO evaluation against .*instances\.json failed: KeyError: 'score'"
+    ):
+        evaluate_coco(scoreless, gt_path)
+    with pytest.raises(ValueError, match=r"COCO evaluation against test\.json failed: KeyError"):
+        evaluate_coco(scoreless, load_coco(gt_path), source="test.json")
+    # Labels only (no boxes): nothing to evaluate boxes against.
+    labels = tmp_path / "labels.json"
+    labels.write_text(json.dumps(_without(ground_truth(), "bbox", "area")))
+    with pytest.raises(ValueError, match=r"labels\.json: its annotations have no 'bbox'"):
+        evaluate_coco(results, labels)
+    # The loader's checks apply to a path as they do to training data.
+    duplicated = ground_truth()
+    duplicated["annotations"][1]["id"] = 1
+    bad = tmp_path / "bad.json"
+    bad.write_text(json.dumps(duplicated))
+    with pytest.raises(ValueError, match=r"bad\.json: annotations\[1\] has id 1, as annotations\[0\] does"):
+        evaluate_coco(results, bad)

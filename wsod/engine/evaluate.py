@@ -45,6 +45,7 @@ __all__ = [
     "NO_BOXES",
     "evaluate_detections",
     "primary_metric",
+    "random_baseline_line",
     "score_detections",
     "write_evaluation",
 ]
@@ -98,7 +99,9 @@ def score_detections(
                 f"metric 'coco' needs a COCO json test set, not {type(dataset).__name__}; use voc07 or area"
             )
         results = coco.to_coco_results(detections, dataset.image_ids, dataset.category_ids)
-        stats = coco.evaluate_coco(results, dataset.annotation_file, image_ids=dataset.image_ids)
+        stats = coco.evaluate_coco(
+            results, dataset.coco, image_ids=dataset.image_ids, source=dataset.annotation_file
+        )  # the json as the loader normalised it (read once, kept on the dataset), not the raw file
         return dict(stats), coco.format_coco_stats(stats), {}
     annotations = dataset.ground_truth()
     results = voc.evaluate(detections, annotations, dataset.num_classes, metric=metric)
@@ -106,6 +109,13 @@ def score_detections(
     report = voc.format_results(results, dataset.classes, localisation)
     per_class = {f"AP_{name}": ap for name, ap in zip(dataset.classes, results["ap"], strict=True)}
     return {"mAP": results["mAP"], "CorLoc": localisation["CorLoc"]}, report, per_class
+
+
+def random_baseline_line(chance: dict[str, float]) -> str:
+    """The report line of the chance level, in percent; undefined values (COCOeval's -1, NaN) print as
+    "-", as the tables above it print them (metrics.json keeps the raw numbers)."""
+    values = ", ".join(f"{k} {coco.format_percent(v, missing='-')}" for k, v in chance.items())
+    return "random scores over the same proposals: " + values
 
 
 def _classification(
@@ -221,9 +231,7 @@ class Evaluator:
             if random_baseline:
                 chance = self._chance_level(model)
                 extra = {f"random_{k}": v for k, v in chance.items()}
-                report += "\nrandom scores over the same proposals: " + ", ".join(
-                    f"{k} {100 * v:.2f}" for k, v in chance.items()
-                )
+                report += "\n" + random_baseline_line(chance)
             scored = (metrics, report, extra, per_class)
         metrics, report, extra, per_class = broadcast_object(scored)
         previews = self._previews(detections) if is_main_process() else {}

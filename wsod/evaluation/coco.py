@@ -3,6 +3,10 @@
 Detections are per-image dicts ``{"boxes": (D, 4) float xyxy, "scores": (D,), "labels": (D,) int64}``
 with continuous pixel corners (x2 = x + w, no +1) and labels indexing the contiguous classes
 0..C-1; ``category_ids[label]`` is the COCO category id of a label.
+
+The ground truth is the json as training's loader reads it (``wsod.data.coco.normalise_coco``: the
+optional annotation ``id``, ``iscrowd`` and ``area`` filled in), never the raw file: pycocotools indexes
+those fields and fails on a file that trains. Errors name the annotation file, pycocotools' own too.
 """
 
 from __future__ import annotations
@@ -22,10 +26,13 @@ from pycocotools.coco import COCO
 from pycocotools.cocoeval import COCOeval
 from torchvision.ops import box_convert
 
+from wsod.data.coco import coco_index, normalise_coco, read_coco_json
+
 __all__ = [
     "STAT_NAMES",
     "evaluate_coco",
     "format_coco_stats",
+    "format_percent",
     "load_coco",
     "save_coco_results",
     "to_coco_results",
@@ -100,23 +107,30 @@ def save_coco_results(results: Sequence[Mapping[str, Any]], path: str | os.PathL
     return path
 
 
-def load_coco(ground_truth: COCO | str | os.PathLike | Mapping[str, Any]) -> COCO:
-    """A COCO ground-truth object from a COCO object, an instances json path or its loaded dict."""
+def load_coco(
+    ground_truth: COCO | str | os.PathLike | Mapping[str, Any], source: str | os.PathLike | None = None
+) -> COCO:
+    """A COCO ground-truth object from a COCO object (used as is), an instances json path or its loaded
+    dict, the latter two normalised as the loader does (``wsod.data.coco.normalise_coco``: missing
+    annotation ``id``, ``iscrowd`` and ``area`` filled in, bad entries named). A dict is left as given:
+    its annotations are copied (one level) before the defaults go in. ``source`` names a dict in errors.
+    """
     if isinstance(ground_truth, COCO):
         return ground_truth
-    with contextlib.redirect_stdout(io.StringIO()):  # pycocotools prints progress
-        if isinstance(ground_truth, Mapping):
-            coco = COCO()
-            coco.dataset = dict(ground_truth)
-            coco.createIndex()
-            return coco
-        return COCO(os.fspath(ground_truth))
+    if isinstance(ground_truth, Mapping):
+        data = dict(ground_truth)
+        if isinstance(data.get("annotations"), list):
+            data["annotations"] = [dict(a) if isinstance(a, Mapping) else a for a in data["annotations"]]
+        return coco_index(normalise_coco(data, source or "the ground-truth dict"))
+    return read_coco_json(ground_truth)
 
 
 def evaluate_coco(
     results: Sequence[Mapping[str, Any]] | str | os.PathLike,
     ground_truth: COCO | str | os.PathLike | Mapping[str, Any],
     image_ids: Sequence[int] | None = None,
+    *,
+    source: str | os.PathLike | None = None,
 ) -> dict[str, float]:
     """COCOeval (bbox) of a results list (or results json path) -> ``{name: value}`` for ``STAT_NAMES``.
 
@@ -125,19 +139,49 @@ def evaluate_coco(
     without detections, when predicting on part of a split); by default every ground-truth image counts.
     With no detections at all, every defined AP and AR is 0: pycocotools' ``loadRes`` rejects an empty
     list, so an empty results object is built instead and COCOeval runs as usual.
+
+    ``ground_truth`` as ``load_coco`` takes it: a path or dict is normalised as training's loader does,
+    so a file that trains evaluates; a COCO object is used as is (not copied: COCOeval writes its
+    ``ignore`` flags into the annotations, harmlessly). ``source``: the annotation file, named in errors
+    (a path names itself). Errors, each a ``ValueError`` naming it: annotations without boxes (labels
+    only), results naming an image the ground truth lacks, and whatever pycocotools raises.
     """
+    results_file = None
     if isinstance(results, (str, os.PathLike)):
+        results_file = results
         results = json.loads(Path(results).read_text())
-    coco_gt = load_coco(ground_truth)
-    with contextlib.redirect_stdout(io.StringIO()):  # pycocotools prints progress and its summary
-        # loadRes writes "id", "area" and "iscrowd" into the dicts it gets: hand it copies.
-        coco_dt = coco_gt.loadRes([dict(r) for r in results]) if results else _empty_results(coco_gt)
-        evaluator = COCOeval(coco_gt, coco_dt, iouType="bbox")
-        if image_ids is not None:
-            evaluator.params.imgIds = sorted(image_ids)
-        evaluator.evaluate()
-        evaluator.accumulate()
-        evaluator.summarize()
+    if source is None and isinstance(ground_truth, (str, os.PathLike)):
+        source = ground_truth
+    annotation_file = "the ground truth" if source is None else os.fspath(source)
+    coco_gt = load_coco(ground_truth, source)
+    annotations = coco_gt.dataset.get("annotations", [])
+    if annotations and "bbox" not in annotations[0]:
+        raise ValueError(
+            f"{annotation_file}: its annotations have no 'bbox' (image-level labels only): there are no"
+            " boxes to evaluate detections against"
+        )
+    strays = {r.get("image_id") for r in results} - set(coco_gt.imgs)  # pycocotools: a bare assertion
+    if strays:
+        raise ValueError(
+            f"{annotation_file} has no image {sorted(strays, key=repr)[0]!r} that the results name"
+            f" ({len(strays)} such image ids{'' if results_file is None else f' in {results_file}'}):"
+            " evaluate results against the annotation file they were predicted for"
+        )
+    try:
+        with contextlib.redirect_stdout(io.StringIO()):  # pycocotools prints progress and its summary
+            # loadRes writes "id", "area" and "iscrowd" into the dicts it gets: hand it copies.
+            coco_dt = coco_gt.loadRes([dict(r) for r in results]) if results else _empty_results(coco_gt)
+            evaluator = COCOeval(coco_gt, coco_dt, iouType="bbox")
+            if image_ids is not None:
+                evaluator.params.imgIds = sorted(image_ids)
+            evaluator.evaluate()
+            evaluator.accumulate()
+            evaluator.summarize()
+    except (AssertionError, AttributeError, IndexError, KeyError, TypeError, ValueError) as e:
+        where = "" if results_file is None else f" (results {results_file})"
+        raise ValueError(
+            f"COCO evaluation against {annotation_file} failed{where}: {type(e).__name__}: {e}"
+        ) from e
     return {name: float(value) for name, value in zip(STAT_NAMES, evaluator.stats, strict=True)}
 
 
@@ -149,10 +193,9 @@ def format_coco_stats(stats: Mapping[str, float]) -> str:
     names = [name for name in STAT_NAMES if name in stats]
     values = [stats[name] for name in names]
     header = "".join(f"{name:>8}" for name in names)
-    row = "".join(f"{_percent(v, missing='-'):>8}" for v in values)
-    return "\n".join(
-        [header, row, f"copypaste: COCO bbox {','.join(names)}: {','.join(_percent(v) for v in values)}"]
-    )
+    row = "".join(f"{format_percent(v, missing='-'):>8}" for v in values)
+    copypaste = ",".join(format_percent(v) for v in values)
+    return "\n".join([header, row, f"copypaste: COCO bbox {','.join(names)}: {copypaste}"])
 
 
 def _empty_results(coco_gt: COCO) -> COCO:
@@ -167,5 +210,7 @@ def _empty_results(coco_gt: COCO) -> COCO:
     return coco_dt
 
 
-def _percent(value: float, missing: str = "nan") -> str:
+def format_percent(value: float, missing: str = "nan") -> str:
+    """A value in [0, 1] as a percent with 2 decimals; ``missing`` for an undefined one (COCOeval's -1,
+    or NaN): "-" in tables and report lines, "nan" in ``copypaste:`` lines."""
     return missing if value < 0 or math.isnan(value) else f"{100 * value:.2f}"
