@@ -12,7 +12,7 @@ from torch.utils.data import Dataset
 
 from wsod.data.coco import CocoDataset
 from wsod.data.dataset import ConcatWeakDataset, WeakDetectionDataset
-from wsod.data.folder import FolderDataset, require_proposals
+from wsod.data.folder import SPLIT_SEED, TEST_FRACTION, FolderDataset, require_proposals
 from wsod.data.toy import ensure_toy_dataset
 from wsod.data.transforms import train_transform
 from wsod.data.voc import VOCDataset
@@ -142,7 +142,11 @@ def _open(
         return CocoDataset(source.annotations, source.images, source.proposals, **options)
     if data_cfg.kind == "folder":
         classes = None if data_cfg.classes is None else list(data_cfg.classes)
-        return FolderDataset(data_cfg.root, source.split, classes=classes, **options)
+        split = dict(  # the seeded split of a labels.csv without a split column
+            split_seed=data_cfg.get("split_seed", SPLIT_SEED),
+            test_fraction=data_cfg.get("test_fraction", TEST_FRACTION),
+        )
+        return FolderDataset(data_cfg.root, source.split, classes=classes, **split, **options)
     raise ValueError(f"data.kind must be toy, voc, coco or folder, got '{data_cfg.kind}'")
 
 

@@ -10,13 +10,14 @@ from __future__ import annotations
 import copy
 import logging
 import os
+import re
 import sys
 import traceback
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-__all__ = ["setup_logging", "run_tool", "full_tracebacks", "write_failure"]
+__all__ = ["setup_logging", "run_tool", "full_tracebacks", "write_failure", "error_message"]
 
 logger = logging.getLogger("wsod")
 
@@ -65,8 +66,24 @@ def _logging_to_a_file() -> bool:
 def write_failure(directory: Path, error: BaseException) -> None:
     """Leave ``error.txt`` (message and traceback) in a run or evaluation directory that failed, so that
     it says so instead of looking like an empty or unfinished one."""
-    text = f"{type(error).__name__}: {error}\n\n" + "".join(traceback.format_exception(error))
+    text = f"{error_message(error)}\n\n" + "".join(traceback.format_exception(error))
     (directory / "error.txt").write_text(text)
+
+
+# How torch's DataLoader re-raises a worker's exception in the main process: the worker's whole
+# traceback is the message ("Caught X in DataLoader worker process N.\nOriginal Traceback ...").
+_WORKER_ERROR = re.compile(r"^Caught \w+ in (DataLoader worker process \d+)\.\nOriginal Traceback", re.S)
+
+
+def error_message(error: BaseException) -> str:
+    """``"Type: message"``; for an error re-raised from a data-loader worker, the worker's own last line
+    (the original type and message, which name the file) and which worker, instead of its traceback."""
+    text = str(error)
+    worker = _WORKER_ERROR.match(text)
+    if worker:
+        last = next((line for line in reversed(text.splitlines()) if line.strip()), text)
+        return f"{last.strip()} (in {worker.group(1)})"
+    return f"{type(error).__name__}: {text}"
 
 
 def run_tool(entry: Callable[[Any], Any], cfg: Any) -> None:
@@ -75,7 +92,7 @@ def run_tool(entry: Callable[[Any], Any], cfg: Any) -> None:
     try:
         entry(cfg)
     except Exception as error:
-        message = f"{type(error).__name__}: {error}"
+        message = error_message(error)
         if _logging_to_a_file():
             logger.error(
                 "%s\n(traceback in log.txt; HYDRA_FULL_ERROR=1 prints it here)", message, exc_info=error

@@ -6,6 +6,7 @@ Like ``build.py`` this file reads the config; everything it calls takes plain va
 from __future__ import annotations
 
 import logging
+import shlex
 import sys
 import time
 from pathlib import Path
@@ -27,8 +28,9 @@ from wsod.build import (
     prepare_data,
     resolve_device,
 )
-from wsod.cli import setup_logging, write_failure
+from wsod.cli import error_message, setup_logging, write_failure
 from wsod.config_checks import EVAL_RULES, TRAIN_RULES, ConfigError, check_config, resume_changes
+from wsod.data.folder import SPLIT_SEED, TEST_FRACTION, has_split_column, write_split_csv
 from wsod.data.loader import build_train_loader, infinite_batches
 from wsod.distributed import (
     broadcast_object,
@@ -122,6 +124,11 @@ def _train_in(run_dir: Path, cfg: DictConfig, device: torch.device) -> dict[str,
         config_file = run_dir / f"config_resume_{iteration:07d}.yaml"  # the original config.yaml stays
     if main:
         config_file.write_text(OmegaConf.to_yaml(cfg, resolve=True))
+        if cfg.data.kind == "folder":  # a labels.csv without a split column: the split made, to see and keep
+            write_split_csv(
+                cfg.data.root, run_dir / "split.csv", split_seed=cfg.data.get("split_seed", SPLIT_SEED),
+                test_fraction=cfg.data.get("test_fraction", TEST_FRACTION),
+            )  # fmt: skip
     torch.manual_seed(cfg.seed)  # identical initial weights on every rank
 
     prepare_data(cfg.data, progress=cfg.progress and main)
@@ -164,7 +171,7 @@ def _train_in(run_dir: Path, cfg: DictConfig, device: torch.device) -> dict[str,
             final = evaluator(model, random_baseline=cfg.random_baseline)
     except Exception as error:
         raise FinalEvaluationError(
-            f"the final evaluation failed ({type(error).__name__}: {error}). The trained weights are safe in"
+            f"the final evaluation failed ({error_message(error)}). The trained weights are safe in"
             f" {run_dir / 'model_final.pth'}; evaluate them alone with: {_eval_command(run_dir)}"
         ) from error
     write_evaluation(final, evaluator.dataset, run_dir / "eval")
@@ -198,7 +205,31 @@ def _eval_command(run_dir: Path) -> str:
         words += [o for o in hydra.overrides.task if o.startswith("data.")]
     except (ValueError, KeyError):
         pass
-    return " ".join(words)
+    return shlex.join(words)  # pasteable: an override holding spaces (a path, a list) stays one word
+
+
+def _check_seeded_split(cfg: DictConfig, trained: dict[str, Any] | None) -> None:
+    """Refuse to evaluate on a seeded split (a folder whose labels.csv has no split column) other than the
+    one the checkpoint was trained with: its test images would include training images, silently."""
+    if not trained or trained.get("kind") != "folder" or cfg.data.kind != "folder":
+        return
+    if Path(trained["root"]).resolve() != Path(cfg.data.root).resolve() or has_split_column(cfg.data.root):
+        return
+    keys = ("split_seed", "test_fraction")
+    defaults = {"split_seed": SPLIT_SEED, "test_fraction": TEST_FRACTION}
+    saved = {k: trained.get(k, defaults[k]) for k in keys}
+    given = {k: cfg.data.get(k, defaults[k]) for k in keys}
+    if saved != given:
+        labels = Path(cfg.data.root) / "labels.csv"
+        raise ConfigError(
+            f"{cfg.checkpoint} was trained on the seeded split of {labels} (no split column) made with"
+            f" {_words(saved)}; this evaluation's {_words(given)} makes another, whose test images include"
+            f" training images: evaluate with {_words(saved)}"
+        )
+
+
+def _words(values: dict[str, Any]) -> str:
+    return " ".join(f"data.{k}={v}" for k, v in values.items())
 
 
 def _keep_if_best(run_dir: Path, summary: dict[str, Any], value: float | None, metric: str) -> None:
@@ -240,6 +271,7 @@ def _evaluate(cfg: DictConfig) -> dict[str, float]:
 
 def _evaluate_in(out_dir: Path, cfg: DictConfig, device: torch.device) -> dict[str, float]:
     model, metadata = load_detector(cfg.checkpoint, device)
+    _check_seeded_split(cfg, (metadata.get("config") or {}).get("data"))
     prepare_data(cfg.data, progress=cfg.progress and is_main_process())
     evaluator = build_evaluator(cfg.data, device, cfg.progress)
     test_set = evaluator.dataset
