@@ -19,6 +19,7 @@ from pycocotools.cocoeval import COCOeval
 from tiny_run import TINY_TOY
 
 from wsod.build import build_model
+from wsod.config_checks import ConfigError
 from wsod.data.toy import TOY_CLASSES, ensure_toy_dataset
 from wsod.engine.checkpoint import save_checkpoint
 from wsod.predict_images import find_images, predict_from_config
@@ -154,3 +155,28 @@ def test_predict_settings_are_checked_before_anything_runs(tmp_path):
                     "selective_search='slow': expected one of fast, quality, single"):  # fmt: skip
         assert message in str(error.value)
     assert not (tmp_path / "o").exists()
+
+
+def test_a_non_empty_output_folder_is_refused_unless_overwrite_and_never_holds_old_pngs(tmp_path, jpeg_file):
+    for name in ("a.jpg", "b.jpg"):
+        jpeg_file(tmp_path / "in" / name)
+    checkpoint, out = _checkpoint(tmp_path / "c.pth"), tmp_path / "out"
+    common = [f"checkpoint={checkpoint}", f"output={out}", "progress=false", "num_workers=0"]
+    predict_from_config(_predict_config([*common, f"input={tmp_path / 'in'}"]))
+    assert sorted(p.name for p in out.glob("*.png")) == ["a.png", "b.png"]
+
+    only_a = f"input={tmp_path / 'in' / 'a.jpg'}"
+    with pytest.raises(ConfigError, match=r"already holds a prediction \(4 files\): overwrite=true replaces"):
+        predict_from_config(_predict_config([*common, only_a]))
+    assert (out / "b.png").is_file()  # refused before anything was touched
+    predict_from_config(_predict_config([*common, only_a, "overwrite=true"]))
+    assert sorted(p.name for p in out.iterdir()) == ["a.png", "log.txt", "predictions.json"]  # no stale b.png
+    assert {p["file_name"] for p in json.loads((out / "predictions.json").read_text())} <= {"a.jpg"}
+
+    # A folder holding files no prediction writes (here the input images) is never emptied.
+    inputs = f"input={tmp_path / 'in'}"
+    with pytest.raises(ConfigError, match="holds files that tools/predict.py did not write"):
+        predict_from_config(
+            _predict_config([*common[:1], f"output={tmp_path / 'in'}", inputs, "overwrite=true"])
+        )
+    assert sorted(p.name for p in (tmp_path / "in").iterdir()) == ["a.jpg", "b.jpg"]

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import shlex
 import shutil
 import subprocess
 import sys
@@ -43,16 +44,21 @@ def _finite(path: Path) -> bool:
 
 
 def test_a_failing_final_evaluation_keeps_the_weights_and_says_how_to_rerun_it(tiny_toy_root, tmp_path):
-    toy = tmp_path / "toy"
+    toy = tmp_path / "my toy"  # a space: the printed command must still paste as one word per override
     shutil.copytree(tiny_toy_root, toy)
     test_ids = (toy / "VOCdevkit/VOC2007/ImageSets/Main/test.txt").read_text().split()
     (toy / "VOCdevkit/VOC2007/JPEGImages" / f"{test_ids[2]}.jpg").write_bytes(b"not a jpeg")
     run_dir = tmp_path / "run"
-    result = _tool(["tools/train.py", *tiny_overrides(toy, run_dir, **QUIET)])
+    result = _tool(["tools/train.py", *tiny_overrides(toy, run_dir, **QUIET), "data.test.scales=[160, 192]"])
     assert result.returncode == 1
     output = result.stdout + result.stderr
     assert "FinalEvaluationError: the final evaluation failed (RuntimeError: cannot decode image" in output
-    assert f"python tools/eval.py checkpoint={run_dir / 'model_final.pth'} data=toy data.root={toy}" in output
+    command = output.split("evaluate them alone with: ", 1)[1].splitlines()[0]
+    assert shlex.split(command) == [
+        "python", "tools/eval.py", f"checkpoint={run_dir / 'model_final.pth'}", "data=toy",
+        f"data.root={toy}", "data.num_train=12", "data.num_test=6", "data.train.num_workers=0",
+        "data.test.num_workers=0", "data.test.scales=[160, 192]",
+    ]  # fmt: skip
     assert "Traceback" not in output  # one clear message on the console ...
     assert "Traceback" in (run_dir / "log.txt").read_text()  # ... the traceback in the log
     assert (run_dir / "model_final.pth").is_file() and _finite(run_dir / "model_final.pth")
@@ -61,16 +67,18 @@ def test_a_failing_final_evaluation_keeps_the_weights_and_says_how_to_rerun_it(t
 
 def test_divergence_is_skipped_counted_and_stops_cleanly(tiny_toy_root, tmp_path):
     run_dir = tmp_path / "run"
-    diverging = {"solver.lr": 1e10, "max_nonfinite": 2, "solver.max_iter": 8, **QUIET}
-    result = _tool(["tools/train.py", *tiny_overrides(tiny_toy_root, run_dir, **diverging)])
+    # checkpoint_period as the default's: no periodic checkpoint before the stop, which saves one.
+    diverging = {"solver.lr": 1e10, "max_nonfinite": 2, "solver.max_iter": 8, "checkpoint_period": 500}
+    result = _tool(["tools/train.py", *tiny_overrides(tiny_toy_root, run_dir, **diverging, **QUIET)])
     assert result.returncode == 1
     output = result.stdout + result.stderr
     assert "NonFiniteLossError: training stopped: 2 consecutive steps" in output
     assert "the last finite step was iteration 1" in output and "Traceback" not in output
+    assert f"Its weights are saved in {run_dir / 'model_0000003.pth'}" in output
     rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     assert [r["iteration"] for r in rows] == [1, 2, 3]
     checkpoints = sorted(run_dir.glob("model_*.pth"))
-    assert checkpoints and all(_finite(p) for p in checkpoints)
+    assert [p.name for p in checkpoints] == ["model_0000003.pth"] and _finite(checkpoints[0])
     assert not (run_dir / "model_final.pth").exists() and (run_dir / "error.txt").is_file()
 
 
@@ -185,3 +193,22 @@ def test_a_checkpoint_of_other_classes_is_refused_listing_both(tiny_toy_root, tm
     with pytest.raises(ValueError, match=r"trained on classes \['cat', .*the test set has \['red_circle'"):
         evaluate_from_config(cfg)
     assert (tmp_path / "eval" / "error.txt").is_file()
+
+
+def test_an_error_inside_a_loader_worker_is_one_line_naming_the_file(tiny_toy_root, tmp_path):
+    toy = tmp_path / "toy"
+    shutil.copytree(tiny_toy_root, toy)
+    train_ids = (toy / "VOCdevkit/VOC2007/ImageSets/Main/trainval.txt").read_text().split()
+    broken = toy / "VOCdevkit/VOC2007/JPEGImages" / f"{train_ids[0]}.jpg"
+    broken.write_bytes(broken.read_bytes()[:200])  # truncated: the header reads, the pixels do not
+    run_dir = tmp_path / "run"
+    overrides = tiny_overrides(toy, run_dir, **QUIET, **{"data.train.num_workers": 1, "solver.max_iter": 12})
+    result = _tool(["tools/train.py", *overrides])
+    assert result.returncode == 1
+    errors = [line for line in result.stdout.splitlines() if " ERROR " in line]
+    assert len(errors) == 1, result.stdout[-3000:]
+    assert f"RuntimeError: cannot decode image {broken}" in errors[0]
+    assert "(in DataLoader worker process 0)" in errors[0]
+    assert "Traceback" not in errors[0] and "Original Traceback" not in result.stdout + result.stderr
+    assert "Original Traceback" in (run_dir / "log.txt").read_text()  # the worker's traceback is kept
+    assert (run_dir / "error.txt").read_text().startswith(f"RuntimeError: cannot decode image {broken}")

@@ -1,4 +1,4 @@
-"""Evaluate a checkpoint: ``python tools/eval.py checkpoint=PATH [hydra overrides]`` (configs/eval.yaml).
+"""Evaluate a checkpoint: ``python tools/eval.py checkpoint=<path> <hydra overrides>`` (configs/eval.yaml).
 
 The checkpoint is always named explicitly. Predictions are recomputed unless ``predictions=FILE`` names a
 file written by an earlier evaluation of the same images.

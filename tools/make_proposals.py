@@ -6,7 +6,8 @@
         --output data/proposals/ss_voc_2007_trainval.pkl --workers 16
     python tools/make_proposals.py coco --annotations data/coco/annotations/instances_val2017.json \\
         --images data/coco/val2017 --output data/proposals/ss_coco_val2017.pkl
-    python tools/make_proposals.py voc ... --proposals data/proposals/given.pkl    # recall of a file only
+    python tools/make_proposals.py voc --devkit data/VOCdevkit --year 2007 --image-set test \\
+        --proposals data/proposals/given.pkl    # the recall of a file only
     python tools/make_proposals.py convert SelectiveSearchVOC2007trainval.mat voc_2007_trainval.pkl
     python tools/make_proposals.py convert ss_coco_train2017.pkl ss_coco_train2017.proposals  # mmap store
 

@@ -1,4 +1,4 @@
-"""Train a weakly-supervised detector: ``python tools/train.py [hydra overrides]`` (see configs/train.yaml).
+"""Train a weakly-supervised detector: ``python tools/train.py <hydra overrides>`` (see configs/train.yaml).
 
 With no argument it generates the toy dataset if absent, trains the CPU-sized model on it, evaluates
 on the toy test split and prints the per-class table with a ``copypaste:`` line.

@@ -20,6 +20,9 @@ Outputs under ``output=``: ``predictions.json``, a list of COCO results entries 
 detections scoring at least ``score_threshold`` (``wsod.evaluation.coco.to_named_results``: integer
 image ids in sorted file-name order from 1, category id = class index + 1); ``<file_name>.png`` per image
 (suffix replaced; sub-folders kept) with those detections drawn and labelled "class score"; ``log.txt``.
+An output folder that is not empty is refused (an earlier prediction's PNGs would stand beside the new
+json); ``overwrite=true`` deletes the earlier prediction first, and a folder holding files that no
+prediction writes (the input images, say) is refused either way.
 """
 
 from __future__ import annotations
@@ -41,7 +44,7 @@ from torchvision import tv_tensors
 
 from wsod.build import load_detector, resolve_device
 from wsod.cli import setup_logging, write_failure
-from wsod.config_checks import PREDICT_RULES, check_config
+from wsod.config_checks import PREDICT_RULES, ConfigError, check_config
 from wsod.data.dataset import image_size_from_header, load_image
 from wsod.data.proposals import ProposalSet, filter_proposals, load_proposals, whole_image_box
 from wsod.data.selective_search import selective_search
@@ -55,6 +58,8 @@ __all__ = ["IMAGE_EXTENSIONS", "ImageFiles", "find_images", "predict_from_config
 logger = logging.getLogger("wsod")
 
 IMAGE_EXTENSIONS = (".jpg", ".jpeg", ".png", ".bmp", ".gif", ".tif", ".tiff", ".webp")
+# What a prediction writes into its output folder besides one PNG per image.
+PREDICTION_FILES = ("predictions.json", "log.txt", "error.txt")
 
 
 def _is_image(path: Path) -> bool:
@@ -149,6 +154,40 @@ def _check_readable(files: Sequence[Path]) -> None:
             ) from error
 
 
+def _is_prediction_output(path: Path) -> bool:
+    return path.name in PREDICTION_FILES or path.suffix.lower() == ".png"
+
+
+def _clear_output(out_dir: Path, overwrite: bool, input_spec: str) -> int:
+    """Refuse a non-empty output folder (an earlier prediction's PNGs would stand beside the new
+    predictions.json, for images this run may not have); with ``overwrite`` delete what a prediction
+    writes there first and return how many files that was. A folder holding anything else (the input
+    images themselves, say) is never emptied, overwrite or not: deleting a user's files is not ours."""
+    if not out_dir.is_dir() or not any(out_dir.iterdir()):
+        return 0
+    own = [p for p in out_dir.rglob("*") if p.is_file()]
+    inputs = find_images(input_spec)[0]
+    inside = {os.path.realpath(p) for p in inputs} & {os.path.realpath(p) for p in own}
+    foreign = [p for p in own if not _is_prediction_output(p)]
+    if inside or foreign:
+        example = next(iter(inside), None) or foreign[0]
+        raise ConfigError(
+            f"output={out_dir} holds files that tools/predict.py did not write (e.g. {example}); give an"
+            " empty or new folder as output="
+        )
+    if not overwrite:
+        raise ConfigError(
+            f"output={out_dir} already holds a prediction ({len(own)} files): overwrite=true replaces it,"
+            " another output= keeps it"
+        )
+    for path in own:
+        path.unlink()
+    for folder in sorted((p for p in out_dir.rglob("*") if p.is_dir()), reverse=True):
+        if not any(folder.iterdir()):  # sub-folders of PNGs, deepest first
+            folder.rmdir()
+    return len(own)
+
+
 def _views(cfg: DictConfig, metadata: dict[str, Any]) -> tuple[list[int], int | None, bool, int | None]:
     """(scales, max_size, flip, max_proposals): ``cfg``'s where given, else the checkpoint's test settings."""
     test = ((metadata.get("config") or {}).get("data") or {}).get("test") or {}
@@ -166,8 +205,11 @@ def predict_from_config(cfg: DictConfig) -> dict[str, Any]:
     if device.type == "cpu" and cfg.threads:
         torch.set_num_threads(cfg.threads)
     out_dir = choose_output_dir(cfg.output, "runs/predict")
+    deleted = _clear_output(out_dir, cfg.overwrite, cfg.input)
     out_dir.mkdir(parents=True, exist_ok=True)
     setup_logging(out_dir, True)
+    if deleted:
+        logger.info("overwrite=true: deleted the %d files of the earlier prediction in %s", deleted, out_dir)
     try:
         return _predict_in(out_dir, cfg, device)
     except Exception as error:

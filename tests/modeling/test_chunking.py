@@ -252,6 +252,25 @@ def test_the_choice_and_the_measurement_are_logged(caplog):
     assert "19 ROIs need" in text and ": plain autograd" in text
 
 
+def test_a_budget_below_one_rois_cost_is_warned_about_naming_the_setting(caplog):
+    model = _tiny("auto", memory_budget_gb=1e-9).train()  # about 1 KB: less than one ROI of this neck
+    with caplog.at_level(logging.INFO, logger="wsod"):
+        _step(model, _batch())
+    (warning,) = [r for r in caplog.records if r.levelno == logging.WARNING]
+    assert "is smaller than one ROI's cost" in warning.getMessage()
+    assert (
+        "chunks of 1 ROI" in warning.getMessage()
+        and "model.memory_budget_gb more than" in warning.getMessage()
+    )
+    assert model.roi_head.last_chunk == 1
+
+    caplog.clear()
+    fits = _tiny("auto", memory_budget_gb=1.0).train()
+    with caplog.at_level(logging.INFO, logger="wsod"):
+        _step(fits, _batch())
+    assert not [r for r in caplog.records if r.levelno == logging.WARNING]
+
+
 @pytest.mark.parametrize(
     "options,message",
     [

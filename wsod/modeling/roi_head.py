@@ -178,6 +178,14 @@ class RoIFeatureHead(nn.Module):
                 " beyond", "pooling + neck" if self.fuse_pooling else "neck", self.costs[key].describe(),
                 policy.max_rois, policy.choose(int(policy.max_rois) + 1) if policy.per_roi_bytes else "-",
             )  # fmt: skip
+            if policy.max_rois < 1:  # chunks of one ROI, and still each one beyond the budget
+                logger.warning(
+                    "chunk_size=auto: the budget of %.3f MB (%s) is smaller than one ROI's cost, %.3f MB in"
+                    " %s: every step runs in chunks of 1 ROI (the slowest) and still exceeds it; give"
+                    " model.memory_budget_gb more than %.3g (one ROI), or many times that for chunks that"
+                    " run fast", self.budget.bytes / MIB, self.budget.source, policy.per_roi_bytes / MIB, key,
+                    policy.per_roi_bytes / 2**30,
+                )  # fmt: skip
         return AutoChunk(self.budget.bytes, self.costs[key].per_roi)
 
     def _auto_chunk(self, inputs: tuple[Tensor, ...], training: bool) -> int | None:
