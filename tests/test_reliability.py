@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shlex
 import shutil
 import subprocess
@@ -212,3 +213,13 @@ def test_an_error_inside_a_loader_worker_is_one_line_naming_the_file(tiny_toy_ro
     assert "Traceback" not in errors[0] and "Original Traceback" not in result.stdout + result.stderr
     assert "Original Traceback" in (run_dir / "log.txt").read_text()  # the worker's traceback is kept
     assert (run_dir / "error.txt").read_text().startswith(f"RuntimeError: cannot decode image {broken}")
+
+
+def test_every_test_that_reliability_md_names_exists():
+    text = (ROOT / "docs" / "RELIABILITY.md").read_text()
+    named = re.findall(r"`([\w/]+\.py)::(\w+)", text)
+    assert len(named) > 50
+    missing = [
+        f"{path}::{name}" for path, name in named if f"def {name}(" not in (ROOT / "tests" / path).read_text()
+    ]
+    assert not missing, f"docs/RELIABILITY.md names tests that do not exist: {missing}"
