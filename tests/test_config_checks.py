@@ -1,22 +1,94 @@
-"""wsod/config_checks.py: model.chunk_size=auto and model.memory_budget_gb (the other rules are exercised
+"""wsod/config_checks.py: every key of every composed config has a rule (and every rule a key), the
+checks import no builder, model.chunk_size=auto and model.memory_budget_gb (the other rules are exercised
 through tools/train.py in test_reliability.py)."""
 
 from __future__ import annotations
 
+import functools
+import json
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
 import torch
 from hydra import compose, initialize_config_dir
 
-from wsod.config_checks import ConfigError, check_config, resume_changes
+from wsod.config_checks import (
+    EVAL_RULES,
+    PREDICT_RULES,
+    TRAIN_RULES,
+    ConfigError,
+    check_config,
+    flatten,
+    resume_changes,
+)
 
-CONFIGS = Path(__file__).resolve().parents[1] / "configs"
+ROOT = Path(__file__).resolve().parents[1]
+CONFIGS = ROOT / "configs"
+RULES = {
+    "train": ("TRAIN_RULES", TRAIN_RULES),
+    "eval": ("EVAL_RULES", EVAL_RULES),
+    "predict": ("PREDICT_RULES", PREDICT_RULES),
+}
 
 
-def _config(overrides: list[str]):
+def _config(overrides: list[str], name: str = "train"):
     with initialize_config_dir(config_dir=str(CONFIGS), version_base="1.3"):
-        return compose(config_name="train", overrides=overrides)
+        return compose(config_name=name, overrides=overrides)
+
+
+def _options(group: str) -> list[str]:
+    return sorted(p.stem for p in (CONFIGS / group).glob("*.yaml"))
+
+
+# Every config a user can compose from the repository's files: each entry point's defaults, training
+# with each option of each group and each experiment, evaluation with each data option (eval.yaml has
+# no other group); predict has none.
+COMPOSED = (
+    [("train", []), ("eval", []), ("predict", [])]
+    + [("train", [f"{group}={option}"]) for group in ("data", "model", "method", "solver", "experiment")
+       for option in _options(group)]
+    + [("eval", [f"data={option}"]) for option in _options("data")]
+)  # fmt: skip
+
+
+@functools.cache
+def _keys(name: str, overrides: tuple[str, ...]) -> frozenset[str]:
+    return frozenset(flatten(_config(list(overrides), name)))
+
+
+@pytest.mark.parametrize(("name", "overrides"), COMPOSED, ids=[f"{n} {' '.join(o)}" for n, o in COMPOSED])
+def test_every_key_of_a_composed_config_has_a_rule(name, overrides):
+    table, rules = RULES[name]
+    missing = sorted(_keys(name, tuple(overrides)) - set(rules))
+    assert not missing, (
+        f"configs/{name}.yaml with {overrides or 'its defaults'}: {', '.join(missing)} "
+        f"{'has' if len(missing) == 1 else 'have'} no rule in {table} (wsod/config_checks.py); add one"
+        " saying which values work (_integer, _number, _choice, _path, ... there)"
+    )
+
+
+@pytest.mark.parametrize("name", sorted(RULES))
+def test_every_rule_names_a_key_some_composed_config_has(name):
+    table, rules = RULES[name]
+    keys = set().union(*(_keys(n, tuple(o)) for n, o in COMPOSED if n == name))
+    stale = sorted(set(rules) - keys)
+    assert not stale, (
+        f"{table} (wsod/config_checks.py) has rules for {', '.join(stale)}, which no composed {name}"
+        " config has (a key renamed or moved?): rename or remove them"
+    )
+
+
+def test_the_checks_import_no_builder_or_engine():
+    # In a fresh interpreter (this one has imported everything already); parent packages count too.
+    script = "import json, sys, wsod.config_checks; print(json.dumps(sorted(sys.modules)))"
+    result = subprocess.run(
+        [sys.executable, "-c", script], cwd=ROOT, capture_output=True, text=True, timeout=300, check=True
+    )
+    loaded = set(json.loads(result.stdout))
+    assert "wsod.config_checks" in loaded
+    assert not loaded & {"wsod.build", "wsod.run", "wsod.engine.evaluate", "wsod.engine.train"}
 
 
 @pytest.mark.parametrize(
@@ -65,3 +137,27 @@ def test_a_resume_may_change_the_chunking_and_the_budget():
         "model.chunk_size: 64 -> 'auto'",
         "model.memory_budget_gb: null -> 2",
     ]
+
+
+@pytest.mark.parametrize(
+    "name,overrides,message",
+    [
+        ("train", ["model.score_threshold=2"], "model.score_threshold=2: expected a number >= 0 and <= 1"),
+        ("train", ["model.weights=''"], "model.weights='': expected null, a torchvision weights name"),
+        ("train", ["data=voc07", "data.test.set.year=VOC07"], "data.test.set.year='VOC07': expected a VOC"),
+        ("train", ["data=voc07", "data.devkit=null"], "data.devkit=null: expected a path"),
+        ("train", ["output_dir=''"], "output_dir='': expected null or a folder"),
+        ("eval", [], "checkpoint='???': expected a path, e.g. checkpoint=runs/my_run/model_final.pth"),
+        ("eval", ["checkpoint=m.pth", "data.train.num_workers=-1"], "data.train.num_workers=-1: expected"),
+    ],
+)
+def test_the_rules_added_with_the_coverage_test_name_the_key(name, overrides, message):
+    rules = RULES[name][1]
+    with pytest.raises(ConfigError, match="invalid configuration") as error:
+        check_config(_config(overrides, name), rules)
+    assert message in str(error.value)
+
+
+@pytest.mark.parametrize("year", ["data.test.set.year=2012", "data.test.set.year='2012'"])
+def test_a_voc_year_is_accepted_as_hydra_parses_it_number_or_string(year):
+    check_config(_config(["data=voc07", year]))

@@ -16,7 +16,7 @@ the folder dataset reads them, ``<root>/proposals/selective_search.proposals``: 
 Generation is resumable: rerun the same command after an interruption. Wherever the dataset has
 ground-truth boxes, recall at IoU 0.5 and 0.7 versus the number of proposals is printed and plotted
 (``--recall-plot``, default next to the output file). An output or destination ending with
-``.proposals`` is a memory-mapped proposal store (``wsod.data.proposal_store``): one copy of the boxes in
+``.proposals`` is a memory-mapped proposal store (``wsod.data.proposals.store``): one copy of the boxes in
 the page cache for all training processes instead of one unpickled copy per process.
 """
 
@@ -30,10 +30,9 @@ from pathlib import Path
 from wsod.cli import run_tool
 from wsod.data.coco import load_coco_records
 from wsod.data.folder import load_folder_records, proposals_path
-from wsod.data.proposal_recall import format_recall_table, plot_recall, records_recall
-from wsod.data.proposal_store import STORE_DTYPES
-from wsod.data.proposals import convert_proposals, load_proposals
-from wsod.data.selective_search import MODES, generate_proposals
+from wsod.data.proposals import STORE_DTYPES, convert_proposals, load_proposals
+from wsod.data.proposals.recall import format_recall_table, plot_recall, records_recall
+from wsod.data.proposals.selective_search import MODES, generate_proposals
 from wsod.data.toy import ensure_toy_dataset
 from wsod.data.voc import VOC_CLASSES, load_voc_records
 
@@ -97,7 +96,7 @@ def _parser() -> argparse.ArgumentParser:
         "--dtype",
         choices=STORE_DTYPES,
         default="float32",
-        help="box dtype of a .proposals destination (float16: half the size, see wsod.data.proposal_store)",
+        help="box dtype of a .proposals destination (float16: half the size, see wsod.data.proposals.store)",
     )
     return parser
 

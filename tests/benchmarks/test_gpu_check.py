@@ -8,10 +8,11 @@ import os
 import subprocess
 from pathlib import Path
 
+import numpy as np
 import pytest
 
-from wsod.benchmarks.gpu_check import loss_trend, make_voc_like, write_report
-from wsod.data.voc import VOCDataset
+from wsod.benchmarks.gpu_check import _annotation, loss_trend, make_voc_like, write_report
+from wsod.data.voc import VOC_CLASSES, VOCDataset, parse_voc_xml
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -78,3 +79,14 @@ def test_generated_voc_data_opens_as_a_voc_dataset(tmp_path):
     item = train[0]
     assert item["image"].shape[-2:] == (40, 50) and len(item["proposals"]) == 30
     assert item["labels"].sum() >= 1
+
+
+def test_generated_annotations_read_back_as_the_boxes_written(tmp_path):
+    # The xml is 1-based through box_formats.to_one_based; the VOC reader's from_one_based undoes it.
+    boxes = np.array([[0, 0, 9, 19], [12, 3, 49, 39]], np.float32)
+    path = tmp_path / "000001.xml"
+    path.write_bytes(_annotation("000001", (50, 40), boxes, ["cat", "dog"]))
+    size, read, labels, difficult = parse_voc_xml(path, {name: i for i, name in enumerate(VOC_CLASSES)})
+    assert size == (40, 50) and read.tolist() == boxes.tolist() and not difficult.any()
+    assert [VOC_CLASSES[i] for i in labels] == ["cat", "dog"]
+    assert "<xmin>1</xmin><ymin>1</ymin><xmax>10</xmax><ymax>20</ymax>" in path.read_text()

@@ -19,16 +19,18 @@ from wsod.benchmarks.proposals import (
     run_benchmark,
     write_markdown,
 )
-from wsod.data import proposal_store
-from wsod.data.proposal_store import ProposalStore, ProposalStoreError, write_proposal_store
 from wsod.data.proposals import (
     MissingProposalsError,
     ProposalSet,
+    ProposalStore,
+    ProposalStoreError,
     convert_proposals,
     load_proposals,
     save_proposals,
+    write_proposal_store,
 )
-from wsod.data.selective_search import generate_proposals
+from wsod.data.proposals import store as proposal_store
+from wsod.data.proposals.selective_search import generate_proposals
 from wsod.data.voc import VOCDataset
 
 REPO = Path(__file__).resolve().parents[2]

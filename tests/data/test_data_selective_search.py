@@ -11,9 +11,9 @@ import numpy as np
 import pytest
 import torch
 
-from wsod.data.proposal_recall import format_recall_table, plot_recall, proposal_recall
 from wsod.data.proposals import load_proposals
-from wsod.data.selective_search import generate_proposals, selective_search
+from wsod.data.proposals.recall import format_recall_table, plot_recall, proposal_recall
+from wsod.data.proposals.selective_search import generate_proposals, selective_search
 
 REPO = Path(__file__).resolve().parents[2]
 

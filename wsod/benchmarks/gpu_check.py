@@ -83,19 +83,23 @@ def _read_json(path: Path) -> Any:
 
 
 def _annotation(image_id: str, size: tuple[int, int], boxes: np.ndarray, names: Sequence[str]) -> bytes:
+    """The VOC xml of one image (``size`` = width, height) with 0-based inclusive ``boxes`` (N, 4)."""
+    # Imported here, as the other wsod modules in this file: the env and report parts run without torch.
+    from wsod.data.box_formats import to_one_based
+
     width, height = size
     root = ET.Element("annotation")
     ET.SubElement(root, "filename").text = f"{image_id}.jpg"
     size_node = ET.SubElement(root, "size")
     for tag, value in (("width", width), ("height", height), ("depth", 3)):
         ET.SubElement(size_node, tag).text = str(value)
-    for box, name in zip(boxes, names, strict=True):
+    for box, name in zip(to_one_based(boxes), names, strict=True):  # VOC files are 1-based
         obj = ET.SubElement(root, "object")
         ET.SubElement(obj, "name").text = name
         ET.SubElement(obj, "difficult").text = "0"
         bndbox = ET.SubElement(obj, "bndbox")
-        for tag, value in zip(("xmin", "ymin", "xmax", "ymax"), box + np.array([1, 1, 1, 1]), strict=True):
-            ET.SubElement(bndbox, tag).text = str(int(value))  # VOC files are 1-based
+        for tag, value in zip(("xmin", "ymin", "xmax", "ymax"), box, strict=True):
+            ET.SubElement(bndbox, tag).text = str(int(value))
     return ET.tostring(root)
 
 

@@ -40,8 +40,7 @@ import numpy as np
 import torch
 from torch.utils.data import DataLoader, Dataset
 
-from wsod.data.proposal_store import ProposalStore, write_proposal_store
-from wsod.data.proposals import ProposalSet, load_proposals
+from wsod.data.proposals import ProposalSet, ProposalStore, load_proposals, write_proposal_store
 
 __all__ = [
     "Memory",

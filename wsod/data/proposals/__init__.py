@@ -1,0 +1,78 @@
+"""Object proposals (docs/METHOD.md §9): sets of boxes by image id, their files, stores, generation and
+recall. Boxes are float32 ``(R, 4)`` ``x1 y1 x2 y2``, 0-based inclusive pixels of the image on disk.
+
+One concept per module, each importing only the ones above it in this list (so there is no cycle):
+
+- ``sets``: ``ProposalSet`` (lookup by image id, recorded image sizes), ``proposal_key``, the loading
+  rules (``filter_proposals``) and the errors of a lookup;
+- ``store``: ``ProposalStore``, a ``ProposalSet`` memory-mapped from a ``<name>.proposals`` directory;
+- ``io``: reading, writing and converting files by suffix (reference pickles, MATLAB releases, stores);
+- ``selective_search``: generating proposals over a dataset (OpenCV; imported on its own, not here);
+- ``recall``: the fraction of ground-truth boxes the proposals cover (imported on its own, not here).
+
+This package re-exports every name ``wsod.data.proposals`` had when it was one module, and the store's.
+The old module paths ``wsod.data.proposal_store``, ``wsod.data.selective_search`` and
+``wsod.data.proposal_recall`` remain as re-exporting shims.
+"""
+
+from wsod.data.proposals.io import (
+    MAT_LAYOUT,
+    MAT_SUFFIXES,
+    PICKLE_LAYOUT,
+    PICKLE_SUFFIXES,
+    convert_proposals,
+    load_proposals,
+    read_proposal_mat,
+    read_proposal_pickle,
+    save_proposals,
+    write_proposal_mat,
+    write_proposal_pickle,
+)
+from wsod.data.proposals.sets import (
+    INT32_MAX,
+    REMAKE,
+    ImageId,
+    MissingProposalsError,
+    ProposalSet,
+    ProposalSizeError,
+    filter_proposals,
+    proposal_key,
+    whole_image_box,
+)
+from wsod.data.proposals.store import (
+    STORE_DTYPES,
+    STORE_SUFFIX,
+    ProposalStore,
+    ProposalStoreError,
+    is_store_path,
+    write_proposal_store,
+)
+
+__all__ = [
+    "MissingProposalsError",
+    "ProposalSizeError",
+    "ProposalSet",
+    "proposal_key",
+    "filter_proposals",
+    "whole_image_box",
+    "load_proposals",
+    "save_proposals",
+    "read_proposal_pickle",
+    "write_proposal_pickle",
+    "read_proposal_mat",
+    "write_proposal_mat",
+    "convert_proposals",
+    "ImageId",
+    "INT32_MAX",
+    "REMAKE",
+    "PICKLE_SUFFIXES",
+    "MAT_SUFFIXES",
+    "PICKLE_LAYOUT",
+    "MAT_LAYOUT",
+    "ProposalStore",
+    "ProposalStoreError",
+    "STORE_SUFFIX",
+    "STORE_DTYPES",
+    "is_store_path",
+    "write_proposal_store",
+]
