@@ -1,5 +1,6 @@
-"""wsod/build.py: labellers from method configs, checkpoints back into detectors (load_detector), the
-training transform and the scheduler from their configs."""
+"""wsod/build.py: refinement methods from method configs (by name or import path), checkpoints back into
+detectors (load_detector, old layouts included), GradNorm's loss count, the training transform and the
+scheduler from their configs."""
 
 from __future__ import annotations
 
@@ -9,7 +10,9 @@ from omegaconf import OmegaConf
 from tiny_run import TINY_TOY
 
 from wsod.build import (
+    build_balancer,
     build_labeler,
+    build_method,
     build_model,
     build_optimizer,
     build_scheduler,
@@ -17,7 +20,7 @@ from wsod.build import (
     load_detector,
 )
 from wsod.engine.checkpoint import save_checkpoint
-from wsod.modeling.refinement import MISTLabeler, OICRLabeler
+from wsod.modeling.refinement import MISTLabeler, MISTMethod, OICRLabeler, OICRMethod
 
 TINY_MODEL = {"backbone": "resnet18", "width": 0.25, "weights": None, "chunk_size": 8}
 
@@ -34,7 +37,7 @@ def test_load_detector_rebuilds_the_model_its_weights_and_its_method(tmp_path):
     metadata = {"model": TINY_MODEL, "method": {"name": "oicr", "fg_iou": 0.6}, "classes": ["a", "b", "c"]}
     loaded, saved = load_detector(_checkpoint(tmp_path, metadata, model))
     assert saved["classes"] == ["a", "b", "c"] and not loaded.training
-    assert loaded.labeler == OICRLabeler(fg_iou=0.6)
+    assert loaded.method == OICRMethod(fg_iou=0.6) and loaded.labeler == OICRLabeler(fg_iou=0.6)
     for (name, ours), theirs in zip(loaded.state_dict().items(), model.state_dict().values(), strict=True):
         assert torch.equal(ours, theirs), name
 
@@ -48,6 +51,16 @@ def test_load_detector_reads_checkpoints_written_before_method_configs(tmp_path)
     assert loaded.labeler == MISTLabeler(p=0.3, tau=0.4, suppress="kept", fg_iou=0.55)
 
 
+def test_load_detector_reads_checkpoints_that_held_the_student_settings_among_the_models(tmp_path):
+    # Before the method seam, num_students and first_student_loss_weight were model settings.
+    model = build_model(TINY_MODEL, 2, {"name": "oicr", "num_students": 2, "first_student_loss_weight": 2.0})
+    legacy = {**TINY_MODEL, "num_students": 2, "first_student_loss_weight": 2.0}
+    metadata = {"model": legacy, "method": {"name": "oicr", "fg_iou": 0.5}, "classes": ["a", "b"]}
+    loaded, saved = load_detector(_checkpoint(tmp_path, metadata, model))
+    assert len(loaded.students) == 2 and loaded.method == OICRMethod(first_student_loss_weight=2.0)
+    assert saved["model"]["num_students"] == 2  # the metadata is returned as stored
+
+
 def test_load_detector_refuses_what_is_not_a_wsod_checkpoint(tmp_path):
     path = tmp_path / "weights.pth"
     save_checkpoint({"state_dict": {}}, path)
@@ -57,10 +70,31 @@ def test_load_detector_refuses_what_is_not_a_wsod_checkpoint(tmp_path):
         load_detector(tmp_path / "missing.pth")
 
 
-def test_unknown_method_names_the_choices():
-    with pytest.raises(ValueError, match=r"unknown method 'pcl': expected one of \['mist', 'oicr'\]"):
-        build_labeler({"name": "pcl"})
-    assert build_labeler(None) == MISTLabeler()
+def test_unknown_method_names_the_key_the_choices_and_the_import_path_form():
+    expected = r"expected one of \['mist', 'oicr'\] or an import path module:ClassName"
+    with pytest.raises(ValueError, match=r"unknown method.name='pcl': " + expected):
+        build_method({"name": "pcl"})
+    with pytest.raises(ValueError, match=r"method.name='no_such_module:PCL': cannot import no_such_module"):
+        build_method({"name": "no_such_module:PCL"})
+    with pytest.raises(ValueError, match=r"method.name='wsod.build:Path': wsod.build has no Refinement"):
+        build_method({"name": "wsod.build:Path"})
+    assert build_method(None) == MISTMethod() and build_labeler(None) == MISTLabeler()
+
+
+def test_a_method_by_import_path_gets_the_other_keys_as_arguments():
+    method = build_method({"name": "wsod.modeling.refinement:OICRMethod", "fg_iou": 0.7, "num_students": 2})
+    assert method == OICRMethod(fg_iou=0.7)  # num_students is the detector's, not an argument
+    assert build_method({"name": "wsod.modeling.refinement.MISTMethod", "p": 0.3}) == MISTMethod(p=0.3)
+    with pytest.raises(TypeError, match="method 'oicr': .*'p'"):
+        build_method({"name": "oicr", "p": 0.3})
+
+
+def test_the_student_count_comes_from_the_method_config_and_gradnorm_counts_the_methods_losses():
+    model = build_model(TINY_MODEL, 3, {"name": "mist", "num_students": 2})
+    assert len(model.students) == 2 and len(model.loss_names) == 5
+    solver = OmegaConf.create({"gradnorm": {"enabled": True, "alpha": 1.5, "lr": 0.01, "min_weight": 0.01}})
+    balancer = build_balancer(solver, model, torch.device("cpu"))
+    assert balancer.gradnorm.num_losses == 5
 
 
 @pytest.mark.parametrize("lighting_std", [0.0, 0.1])

@@ -14,9 +14,10 @@ from hydra import compose, initialize_config_dir
 from hydra.errors import ConfigCompositionException
 from omegaconf import OmegaConf
 
-from wsod.build import LABELERS, build_labeler, build_model
-from wsod.config_checks import PREDICT_RULES, TRAIN_RULES, ConfigError, check_config, flatten
+from wsod.build import MOVED_TO_METHOD, build_method, build_model
+from wsod.config_checks import PREDICT_RULES, TRAIN_RULES, ConfigError, check_config, flatten, resume_changes
 from wsod.engine.inference import tta_views
+from wsod.modeling import METHODS
 
 CONFIGS = Path(__file__).resolve().parents[1] / "configs"
 RECIPES = Path(__file__).resolve().parents[1] / "docs" / "RECIPES.md"
@@ -50,13 +51,41 @@ def test_every_model_config_builds_a_detector(model):
 
 
 @pytest.mark.parametrize("method", _names("method"))
-def test_every_method_config_builds_its_labeller(method):
+def test_every_method_config_builds_its_method_with_every_setting(method):
     cfg = _compose("train", [f"method={method}"])
-    labeler = build_labeler(cfg.method)
-    assert type(labeler) is LABELERS[cfg.method.name]
-    assert labeler.fg_iou == cfg.method.fg_iou
+    built = build_method(cfg.method)
+    assert type(built) is METHODS[cfg.method.name]
+    assert built.fg_iou == cfg.method.fg_iou
+    assert built.first_student_loss_weight == cfg.method.first_student_loss_weight
     with pytest.raises(TypeError, match=f"method '{cfg.method.name}'"):
-        build_labeler({**OmegaConf.to_container(cfg.method), "typo": 1})
+        build_method({**OmegaConf.to_container(cfg.method), "typo": 1})
+    detector = build_model(_compose("train", []).model, 3, {**cfg.method, "num_students": 2})
+    assert len(detector.students) == 2
+
+
+def test_method_settings_live_in_the_method_configs_only():
+    # Every setting of a method is in configs/method/ (the student count and weighting included).
+    for model in _names("model"):
+        keys = set(_compose("train", [f"model={model}"]).model)
+        assert not keys & {"num_students", "first_student_loss_weight", "p", "tau", "fg_iou"}, model
+
+
+def test_a_config_saved_before_the_method_settings_moved_resumes_without_a_change():
+    new = OmegaConf.to_container(_compose("train", []), resolve=True)
+    saved = {**new, "model": dict(new["model"]), "method": dict(new["method"])}
+    for key in MOVED_TO_METHOD:  # where checkpoints before the method seam held them
+        saved["model"][key] = saved["method"].pop(key)
+    assert resume_changes(saved, new) == []
+    changed = {**new, "method": {**new["method"], "first_student_loss_weight": 1.0}}
+    assert resume_changes(saved, changed) == ["method.first_student_loss_weight: 3.0 -> 1.0"]  # applied
+    with pytest.raises(ConfigError, match="method.num_students: 3 -> 2 .the saved weights hold"):
+        resume_changes(saved, {**new, "method": {**new["method"], "num_students": 2}})
+
+
+def test_a_method_named_by_import_path_passes_the_checks_and_a_misspelt_name_does_not():
+    check_config(_compose("train", ["method.name=my_methods:PCL"]), TRAIN_RULES)
+    with pytest.raises(ConfigError, match="method.name='mits': expected one of mist, oicr, or an import"):
+        check_config(_compose("train", ["method.name=mits"]), TRAIN_RULES)
 
 
 def test_eval_config_needs_an_explicit_checkpoint():

@@ -1,8 +1,10 @@
-"""The one place that turns a Hydra config into objects. Modules never see the config; only this file
-and the thin scripts in tools/ read it. See configs/ for the fields and their meaning."""
+"""The one place that turns a Hydra config into objects. Modules never see the config: besides this file
+only the entry points read it (``wsod.run``, ``wsod.predict_images``, the thin scripts in tools/) and
+``wsod.config_checks`` checks it. See configs/ for the fields and their meaning."""
 
 from __future__ import annotations
 
+import importlib
 from pathlib import Path
 from typing import Any
 
@@ -24,12 +26,14 @@ from wsod.engine.checkpoint import load_checkpoint
 from wsod.engine.evaluate import Evaluator
 from wsod.engine.solver import build_optimizer as _build_optimizer
 from wsod.engine.solver import build_scheduler as _build_scheduler
-from wsod.modeling.detector import WeaklySupervisedDetector, build_detector
+from wsod.modeling.detector import METHODS, WeaklySupervisedDetector, build_detector
+from wsod.modeling.method import RefinementMethod
 from wsod.modeling.refinement import MISTLabeler, OICRLabeler, PseudoLabeler
 
 __all__ = [
     "LABELERS",
     "resolve_device",
+    "build_method",
     "build_labeler",
     "build_model",
     "load_detector",
@@ -43,10 +47,15 @@ __all__ = [
     "build_scheduler",
 ]
 
-# configs/method/<name>.yaml -> the labeller its ``name`` selects; the other keys are its arguments.
+# The per-image labeller of each built-in method (``METHODS`` in wsod/modeling/detector.py holds the methods).
 LABELERS: dict[str, type] = {"mist": MISTLabeler, "oicr": OICRLabeler}
 # Checkpoints written before configs/method/ existed held MIST's settings among the model's.
 _LEGACY_MIST_KEYS = {"mist_p": "p", "mist_tau": "tau", "mist_suppress": "suppress"}
+# Method settings that checkpoints written before the method seam hold among the model's (also in
+# wsod/config_checks.py's resume comparison).
+MOVED_TO_METHOD = ("num_students", "first_student_loss_weight")
+# The student count is the detector's architecture: build_model gives it to the detector, not the method.
+DEFAULT_NUM_STUDENTS = 3
 
 
 def resolve_device(name: str) -> torch.device:
@@ -64,25 +73,74 @@ def _plain(node: DictConfig | dict | None) -> dict[str, Any]:
     return OmegaConf.to_container(node, resolve=True) if isinstance(node, DictConfig) else dict(node)
 
 
-def build_labeler(method_cfg: DictConfig | dict | None) -> PseudoLabeler:
-    """The refinement method of a ``configs/method`` node: ``name`` picks the labeller, the other keys
-    are its arguments. ``None`` gives MIST with its defaults."""
+def _method_class(name: str) -> type[RefinementMethod]:
+    """A built-in method's class (``METHODS``) or a class named by import path, ``module:Class`` or
+    ``module.Class`` (a method defined outside wsod, e.g. ``my_methods:PCL``)."""
+    if name in METHODS:
+        return METHODS[name]
+    expected = (
+        f"expected one of {sorted(METHODS)} or an import path module:ClassName of a RefinementMethod"
+        " subclass (its module on sys.path)"
+    )
+    module_name, _, class_name = name.rpartition(":") if ":" in name else name.rpartition(".")
+    if not module_name or not class_name:
+        raise ValueError(f"unknown method.name='{name}': {expected}")
+    try:
+        module = importlib.import_module(module_name)
+    except ImportError as error:
+        problem = f"method.name='{name}': cannot import {module_name} ({error})"
+        raise ValueError(f"{problem}; {expected}") from error
+    method_class = getattr(module, class_name, None)
+    if not (isinstance(method_class, type) and issubclass(method_class, RefinementMethod)):
+        raise ValueError(
+            f"method.name='{name}': {module_name} has no RefinementMethod subclass {class_name}; {expected}"
+        )
+    return method_class
+
+
+def _method_settings(method_cfg: DictConfig | dict | None) -> tuple[str, dict[str, Any], int]:
+    """(name, the method class's keyword arguments, num_students) of a ``configs/method`` node."""
     options = _plain(method_cfg)
     name = options.pop("name", "mist")
-    if name not in LABELERS:
-        raise ValueError(f"unknown method '{name}': expected one of {sorted(LABELERS)}")
+    num_students = options.pop("num_students", DEFAULT_NUM_STUDENTS)
+    return name, options, num_students
+
+
+def build_method(method_cfg: DictConfig | dict | None) -> RefinementMethod:
+    """The refinement method of a ``configs/method`` node: ``name`` picks the class (a name of
+    ``METHODS`` or an import path ``module:ClassName``), every other key but ``num_students`` (the
+    detector's) is its keyword argument, so ``+method.my_key=1`` reaches a user's method. ``None``
+    gives MIST with its defaults."""
+    name, options, _ = _method_settings(method_cfg)
+    method_class = _method_class(name)
     try:
-        return LABELERS[name](**options)
+        return method_class(**options)
     except TypeError as error:
-        raise TypeError(f"method '{name}': {error}") from error
+        raise TypeError(f"method '{name}': {error} (keys of the method config are its arguments)") from error
+
+
+def build_labeler(method_cfg: DictConfig | dict | None) -> PseudoLabeler:
+    """The per-image labeller of a built-in method's ``configs/method`` node (``build_method().labeler``)."""
+    method = build_method(method_cfg)
+    if not hasattr(method, "labeler"):
+        raise ValueError(f"method {type(method).__name__} has no per-image labeller: use build_method")
+    return method.labeler
 
 
 def build_model(
     model_cfg: DictConfig | dict, num_classes: int, method_cfg: DictConfig | dict | None = None
 ) -> WeaklySupervisedDetector:
     """The detector from a ``configs/model`` node (every key is a ``build_detector`` argument) and a
-    ``configs/method`` node (the labeller)."""
-    return build_detector(num_classes=num_classes, labeler=build_labeler(method_cfg), **_plain(model_cfg))
+    ``configs/method`` node (the refinement method, and ``num_students``: how many students it trains).
+    Settings in an older checkpoint's layout (the method's among the model's) are read too."""
+    model_settings, method_settings = _current_settings(_plain(model_cfg), _plain(method_cfg))
+    _, _, num_students = _method_settings(method_settings)
+    return build_detector(
+        num_classes=num_classes,
+        num_students=num_students,
+        method=build_method(method_settings),
+        **model_settings,
+    )
 
 
 def load_detector(
@@ -98,18 +156,25 @@ def load_detector(
             f"{checkpoint_path} holds no model settings (metadata.model, metadata.classes): not a wsod"
             " checkpoint?"
         )
-    model_settings = dict(metadata["model"])
-    method = dict(metadata.get("method") or {})
-    if "pseudo_labels" in model_settings:  # written before configs/method/ existed
-        method = {"name": model_settings.pop("pseudo_labels"), "fg_iou": model_settings.pop("fg_iou", 0.5)}
-        mist = {
-            key: model_settings.pop(old) for old, key in _LEGACY_MIST_KEYS.items() if old in model_settings
-        }
-        if method["name"] == "mist":
-            method.update(mist)
-    model = build_model({**model_settings, "weights": None}, len(metadata["classes"]), method)
+    model_settings = {**metadata["model"], "weights": None}
+    model = build_model(model_settings, len(metadata["classes"]), metadata.get("method"))
     model.load_state_dict(checkpoint["model"])
     return model.to(map_location).eval(), metadata
+
+
+def _current_settings(model: dict[str, Any], method: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
+    """A checkpoint's (model, method) settings in today's layout: older checkpoints held the method's
+    settings among the model's (``pseudo_labels``, ``mist_*`` before configs/method/; ``num_students``
+    and ``first_student_loss_weight`` before the method seam)."""
+    if "pseudo_labels" in model:  # written before configs/method/ existed
+        method = {"name": model.pop("pseudo_labels"), "fg_iou": model.pop("fg_iou", 0.5)}
+        mist = {key: model.pop(old) for old, key in _LEGACY_MIST_KEYS.items() if old in model}
+        if method["name"] == "mist":
+            method.update(mist)
+    for key in MOVED_TO_METHOD:
+        if key in model:
+            method.setdefault(key, model.pop(key))
+    return model, method
 
 
 def prepare_data(data_cfg: DictConfig, progress: bool = False) -> None:
@@ -220,11 +285,12 @@ def build_optimizer(solver_cfg: DictConfig, model: torch.nn.Module) -> torch.opt
 def build_balancer(
     solver_cfg: DictConfig, model: WeaklySupervisedDetector, device: torch.device
 ) -> LossBalancer | None:
-    """GradNorm loss weights (``solver.gradnorm``) for the detector's 1 + 2K losses, or None when off."""
+    """GradNorm loss weights (``solver.gradnorm``) for the detector's losses (``model.loss_names``: the
+    MIL loss, then the refinement method's), or None when off."""
     settings = solver_cfg.gradnorm
     if not settings.enabled:
         return None
-    num_losses = 1 + 2 * len(model.students)  # the MIL loss, then each student's cls and box losses
+    num_losses = len(model.loss_names)
     balancer = LossBalancer(num_losses, alpha=settings.alpha, lr=settings.lr, min_weight=settings.min_weight)
     return balancer.to(device)
 

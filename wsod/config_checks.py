@@ -5,6 +5,8 @@ float, ``solver.milestones=5`` an int. Without a check, such values fail deep in
 run: ``max_iter=2.5`` would train 3 steps). ``check_config`` names every wrong key at once, with the
 value and what is expected, before a directory is made or a file is read. Keys a config does not have
 are not checked (a VGG16 model has no ``width``); keys no rule knows are left to Hydra's struct mode.
+Every key of every config composed from configs/ has a rule, and every rule a key: a test fails naming
+the key otherwise (tests/test_config_checks.py), so a new key comes with its rule.
 
 ``resume_changes`` compares the settings a checkpoint was trained with to the new ones: each change is
 either applied for real by the training code (and listed) or refused with the reason.
@@ -20,11 +22,12 @@ from typing import Any
 import torch
 from omegaconf import DictConfig, OmegaConf
 
-from wsod.build import LABELERS
+# The choice lists come from the lowest modules that own them, never from wsod.build: the builder imports
+# every part of wsod, and the checks must run before any of it is needed (tests/test_imports.py).
 from wsod.data.folder import SPLITS as FOLDER_SPLITS
-from wsod.data.selective_search import MODES as SELECTIVE_SEARCH_MODES
-from wsod.engine.evaluate import METRICS
-from wsod.modeling.detector import BACKBONES
+from wsod.data.proposals.selective_search import MODES as SELECTIVE_SEARCH_MODES
+from wsod.evaluation import METRICS
+from wsod.modeling import BACKBONES, METHODS
 
 __all__ = [
     "ConfigError",
@@ -97,6 +100,11 @@ def _optional_path(expected: str) -> _Rule:
     return _Rule(lambda v: v is None or _path("").accepts(v), expected)
 
 
+def _name(example: str) -> _Rule:
+    """A non-empty string that names something the code looks up later (an image set, weights)."""
+    return _Rule(lambda v: isinstance(v, str) and v.strip() not in ("", "???"), f"a name, e.g. {example}")
+
+
 _CLASSES = _Rule(
     lambda v: (
         v is None
@@ -110,6 +118,10 @@ _CLASSES = _Rule(
     "null or a list of distinct class names, e.g. [cat,dog]",
 )
 _SPLIT = _choice(*FOLDER_SPLITS)
+# A VOC year: "2007" in the configs, 2012 when Hydra parses a command-line override as a number.
+_VOC_YEAR = _Rule(
+    lambda v: (_is_int(v) and v > 0) or (isinstance(v, str) and v.strip().isdigit()), "a VOC year, e.g. 2007"
+)
 _FOLDER_SETS = _Rule(
     lambda v: (
         isinstance(v, list | tuple)
@@ -152,7 +164,13 @@ _COMMON = {
     "data.classes": _CLASSES,
     "data.split_seed": _integer(0),
     "data.test_fraction": _Rule(lambda v: _is_number(v) and 0 < v < 1, "a number > 0 and < 1, e.g. 0.2"),
+    "data.devkit": _path("data.devkit=data/VOCdevkit"),
     "data.test.set.split": _SPLIT,
+    "data.test.set.year": _VOC_YEAR,
+    "data.test.set.image_set": _name("data.test.set.image_set=test"),
+    "data.test.set.proposals": _path("data.test.set.proposals=data/proposals/my_test.pkl"),
+    "data.test.set.annotations": _path("data.test.set.annotations=data/coco/my_test.json"),
+    "data.test.set.images": _path("data.test.set.images=data/coco/val2017"),
     "data.num_train": _integer(1),
     "data.num_test": _integer(1),
     "data.test.scales": _SCALES,
@@ -163,6 +181,15 @@ _COMMON = {
     "data.test.num_workers": _integer(0),
     "data.test.metric": _choice(*METRICS),
     "data.test.amp": _choice(None, "bf16", "fp16"),
+    # The data group is shared: an evaluation composes data.train too, unused there but checked alike.
+    "data.train.sets": _FOLDER_SETS,
+    "data.train.scales": _SCALES,
+    "data.train.max_size": _integer(1, optional=True),
+    "data.train.flip": _FLAG,
+    "data.train.max_proposals": _integer(1, optional=True),
+    "data.train.num_workers": _integer(0),
+    "data.train.lighting_std": _number(0),
+    "output_dir": _optional_path("null or a folder, e.g. output_dir=runs/my_run"),
 }
 
 TRAIN_RULES: dict[str, _Rule] = {
@@ -174,14 +201,11 @@ TRAIN_RULES: dict[str, _Rule] = {
     "keep_checkpoints": _integer(1),
     "eval_period": _integer(0),
     "max_nonfinite": _integer(1),
-    "data.train.sets": _FOLDER_SETS,
-    "data.train.scales": _SCALES,
-    "data.train.max_size": _integer(1, optional=True),
-    "data.train.flip": _FLAG,
-    "data.train.max_proposals": _integer(1, optional=True),
-    "data.train.num_workers": _integer(0),
-    "data.train.lighting_std": _number(0),
     "model.backbone": _choice(*BACKBONES),
+    "model.weights": _Rule(
+        lambda v: v is None or _name("").accepts(v),
+        "null, a torchvision weights name (e.g. IMAGENET1K_V1) or a local .pth path",
+    ),
     "model.width": _number(0, above=True),
     "model.norm": _choice("frozen_bn", "bn", "gn"),
     "model.neck_norm": _choice(None, "frozen_bn", "bn", "gn"),
@@ -196,13 +220,17 @@ TRAIN_RULES: dict[str, _Rule] = {
     ),
     "model.test_chunk_size": _integer(1, optional=True),
     "model.fuse_pooling": _FLAG,
-    "model.num_students": _integer(1),
     "model.dropblock": _FLAG,
     "model.dropblock_hidden": _integer(1, optional=True),
-    "model.first_student_loss_weight": _number(0),
     "model.nms_iou": _number(0, 1),
+    "model.score_threshold": _number(0, 1),
     "model.detections_per_image": _integer(1),
-    "method.name": _choice(*LABELERS),
+    "method.name": _Rule(
+        lambda v: v in METHODS or (isinstance(v, str) and (":" in v or "." in v)),
+        f"one of {', '.join(METHODS)}, or an import path module:ClassName of your own method",
+    ),
+    "method.num_students": _integer(1),
+    "method.first_student_loss_weight": _number(0),
     "method.p": _number(0, 1),
     "method.tau": _number(0, 1),
     "method.suppress": _choice("candidates", "kept"),
@@ -237,7 +265,11 @@ TRAIN_RULES: dict[str, _Rule] = {
     "solver.gradnorm.min_weight": _number(0, 1),
 }
 
-EVAL_RULES: dict[str, _Rule] = {**_COMMON}
+EVAL_RULES: dict[str, _Rule] = {
+    **_COMMON,
+    "checkpoint": _path("checkpoint=runs/my_run/model_final.pth"),
+    "predictions": _optional_path("null or the predictions.pth of an earlier evaluation of the checkpoint"),
+}
 
 PREDICT_RULES: dict[str, _Rule] = {
     "device": _COMMON["device"],
@@ -340,6 +372,7 @@ _FIXED_ON_RESUME = {
     "data.num_test": "the toy set must be the checkpoint's",
     "data.train": "the training images, their order and their augmentation must be the checkpoint's",
     "model": "the saved weights belong to the saved architecture",
+    "method.num_students": "the saved weights hold that many students",
 }
 # Inside those prefixes, these may change: they do not touch weights or data order.
 _FREE_ON_RESUME = (
@@ -351,6 +384,14 @@ _FREE_ON_RESUME = (
 )
 
 
+# Keys that moved since older checkpoints were written (as wsod.build.MOVED_TO_METHOD): a saved config is
+# compared under the new names, so that resuming such a checkpoint sees no change.
+_MOVED_KEYS = {
+    "model.num_students": "method.num_students",
+    "model.first_student_loss_weight": "method.first_student_loss_weight",
+}
+
+
 def resume_changes(saved: Mapping[str, Any] | DictConfig, new: Mapping[str, Any] | DictConfig) -> list[str]:
     """The settings that differ between a checkpoint's config and the new one, as printable lines.
 
@@ -358,6 +399,9 @@ def resume_changes(saved: Mapping[str, Any] | DictConfig, new: Mapping[str, Any]
     bookkeeping (``resume``, ``output_dir``) is ignored.
     """
     old_flat, new_flat = flatten(saved), flatten(new)
+    for old, key in _MOVED_KEYS.items():
+        if old in old_flat and key not in old_flat:
+            old_flat[key] = old_flat.pop(old)
     changes, refused = [], []
     for key in sorted(set(old_flat) | set(new_flat)):
         if key in ("resume", "output_dir"):

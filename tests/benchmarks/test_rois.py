@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import csv
 import importlib.util
+import math
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -121,3 +122,16 @@ def test_vgg16_benchmark_model_pools_7x7_with_roipool():
     assert head.auto and head.memory_budget_gb == 1.0
     pooler = head.body.module.pooler
     assert type(pooler).__name__ == "RoIPool" and pooler.output_size == 7
+
+
+def test_a_variant_over_a_step_without_a_measured_memory_rise_prints_no_ratio():
+    """On CPU a step's peak is its rise of the process's maximum RSS, 0.0 MB when an earlier step went
+    higher: the comparison line says so instead of dividing by zero (it once failed the suite so)."""
+    from wsod.benchmarks.rois import Measurement, summarize
+
+    common = {"chunk": 4, "rois": 8, "step_ms": math.nan, "device": "cpu", "model": "r18_c4",
+              "image_size": "96,128", "dtype": "fp32", "baseline_mb": 100.0}  # fmt: skip
+    lines = summarize(
+        [Measurement("fused", peak_mb=0.0, **common), Measurement("fused+dropblock", peak_mb=3.0, **common)]
+    )
+    assert "- fused+dropblock (chunk 4) / without +dropblock at 8 ROIs: peak memory n/a" in "\n".join(lines)

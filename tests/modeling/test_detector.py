@@ -269,3 +269,69 @@ def test_heads_pseudo_labels_and_losses_run_in_float32_under_autocast():
     for (s1, b1), (s2, b2) in zip(plain_rois, amp_rois, strict=True):
         assert s2.dtype == b2.dtype == torch.float32 and torch.equal(s1, s2) and torch.equal(b1, b2)
     assert detections["scores"].dtype == torch.float32
+
+
+def test_each_backbone_brings_its_own_roi_pooling_and_a_config_may_still_choose():
+    from torch.nn.modules.utils import _pair
+    from torchvision.ops import RoIAlign, RoIPool
+
+    def pooler(model):
+        return model.roi_head.body.module.pooler
+
+    resnet = _tiny(4)
+    assert isinstance(pooler(resnet), RoIAlign) and _pair(pooler(resnet).output_size) == (14, 14)
+    assert pooler(resnet).spatial_scale == 1 / 16
+    chosen = _tiny(4, pooler="pool", roi_size=10)
+    assert isinstance(pooler(chosen), RoIPool) and _pair(pooler(chosen).output_size) == (10, 10)
+
+
+def test_each_images_targets_reach_the_method_unchanged_and_name_the_losses():
+    from wsod.modeling.refinement import MISTMethod
+
+    seen = []
+
+    class RecordingMIST(MISTMethod):
+        def pseudo_labels(self, student, proposals, scores, targets):
+            seen.append((student, targets))
+            return super().pseudo_labels(student, proposals, scores, targets)
+
+    images, proposals, labels = _batch()
+    # Supervision beyond the labels (points here) travels in each image's dict to the method.
+    points = {"points": torch.tensor([[5.0, 6.0]]), "point_labels": torch.tensor([0])}
+    targets = [{"labels": row, **points} for row in labels]
+    model = _tiny(4, method=RecordingMIST())
+    from_targets = model(images, proposals, targets=targets)
+    assert [(k, id(t)) for k, t in seen] == [(k, id(t)) for k in (1, 2, 3) for t in targets]
+    assert tuple(from_targets) == model.loss_names == (
+        "loss_mil", *(f"loss_ref_{kind}_{k}" for k in (1, 2, 3) for kind in ("cls", "box"))
+    )  # fmt: skip
+    # image_labels alone, or both in agreement, give the same losses.
+    for call in (dict(image_labels=labels), dict(image_labels=labels, targets=targets)):
+        losses = model(images, proposals, **call)
+        assert all(torch.equal(losses[k], from_targets[k]) for k in from_targets)
+    with pytest.raises(ValueError, match="disagree"):
+        model(images, proposals, labels.flip(0), targets=targets)
+    with pytest.raises(ValueError, match=r"targets\[1\]\['labels'\]"):
+        model(images, proposals, targets=[targets[0], {"points": targets[1]["points"]}])
+
+
+def test_a_method_and_a_labeller_or_loss_weight_together_are_refused():
+    from wsod.modeling.refinement import MISTLabeler, OICRMethod
+
+    with pytest.raises(ValueError, match="either a method or a labeler"):
+        _tiny(4, method=OICRMethod(), labeler=MISTLabeler())
+    with pytest.raises(ValueError, match="either a method or a labeler"):
+        _tiny(4, method=OICRMethod(), first_student_loss_weight=1.0)
+    weighted = _tiny(4, labeler=MISTLabeler(), first_student_loss_weight=1.0)
+    assert weighted.method.first_student_loss_weight == 1.0 and weighted.labeler == MISTLabeler()
+
+
+def test_a_method_whose_losses_differ_from_its_loss_names_is_an_error():
+    from wsod.modeling.refinement import MISTMethod
+
+    class Misnamed(MISTMethod):
+        def loss_names(self, num_students):
+            return tuple(f"loss_{k}" for k in range(1, num_students + 1))
+
+    with pytest.raises(RuntimeError, match="make the two agree"):
+        _tiny(4, method=Misnamed())(*_batch())

@@ -95,7 +95,7 @@ def test_base_has_stride_8_and_freezes_conv1_conv2():
 
 def test_roi_pool_of_the_registered_detector_maps_boxes_to_eighth_scale_cells():
     torch.manual_seed(0)
-    model = build_detector("vgg16", num_classes=20, chunk_size=64, pooler="pool", roi_size=7)
+    model = build_detector("vgg16", num_classes=20)  # the one-line builder: the backbone's own RoIPool 7x7
     assert model.mil_head.cls_score.in_features == 4096
     pooler = model.roi_head.body.module.pooler
     assert (

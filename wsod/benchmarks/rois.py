@@ -156,7 +156,7 @@ def _optimizers(
     dropblock = list(model.dropblock.parameters()) if model.dropblock is not None else []
     detector_params = [p for p in model.parameters() if all(p is not q for q in dropblock)]
     optimizer = torch.optim.SGD(detector_params, lr=1e-4, momentum=0.9)
-    num_losses = 1 + 2 * len(model.students)
+    num_losses = len(model.loss_names)  # the MIL loss, then the refinement method's
     if variant == "dropblock":
         dropblock_optimizer = torch.optim.SGD(dropblock, lr=1e-4, momentum=0.9, weight_decay=1e-4)
         scheduler = build_scheduler(dropblock_optimizer, milestones=[])
@@ -546,10 +546,13 @@ def summarize(measurements: Sequence[Measurement]) -> list[str]:
         base, variant = split_variant(m.strategy)
         key = (base, m.chunk, m.dtype, m.rois)
         if variant and m.status == "ok" and key in step_ms:
-            time_ratio, memory_ratio = m.step_ms / step_ms[key], m.peak_mb / peak_mb[key]
+            time_ratio = m.step_ms / step_ms[key]
             timed = "" if math.isnan(time_ratio) else f"time {time_ratio:.2f}, "  # memory only: --steps 0
+            # A CPU peak is the step's rise of the process's maximum RSS: 0 when the step stayed below
+            # the maximum an earlier one reached (tiny models), where no ratio exists.
+            memory = f"{m.peak_mb / peak_mb[key]:.2f}" if peak_mb[key] > 0 else "n/a (no rise without it)"
             compared = f"- {_label_of(m)} / without +{variant} at {m.rois} ROIs"
-            lines.append(f"{compared}: {timed}peak memory {memory_ratio:.2f}")
+            lines.append(f"{compared}: {timed}peak memory {memory}")
     return lines + _auto_lines(measurements)
 
 

@@ -1,14 +1,20 @@
-"""The weakly-supervised detector: C4 base -> ROI features -> MIL teacher + refinement students.
+"""The weakly-supervised detector: a backbone's base -> ROI features -> MIL teacher + refinement students.
 
 Batch contract (``forward``):
     images (B, 3, H, W), padded; proposals: list of B tensors (R_i, 4) xyxy in the pixels of the
-    resized image; image_labels (B, C) multi-hot over foreground classes (training only);
-    image_sizes: list of (h, w) of each resized image before padding; original_sizes: list of (h, w)
-    of each image on disk. Both default to the padded size (no rescaling).
+    resized image; targets (training): list of B dicts, one per image, each with "labels" (C,) multi-hot
+    over the foreground classes plus any supervision fields the data carries (in the resized image's
+    pixels, see ``wsod.modeling.method``); image_labels (B, C): the same labels as one tensor, enough
+    alone (targets are then ``{"labels": row}``); image_sizes: list of (h, w) of each resized image
+    before padding; original_sizes: list of (h, w) of each image on disk. Both default to the padded
+    size (no rescaling).
 
-Training returns ``{"loss_mil", "loss_ref_cls_k", "loss_ref_box_k" for k = 1..K}``, scalars whose sum
-is the training loss. Evaluation returns per image ``{"boxes" (D, 4) in original pixels, "scores" (D,),
-"labels" (D,) foreground class 0..C-1}``.
+Training returns the losses named by ``loss_names``: ``"loss_mil"``, then the refinement method's
+(``"loss_ref_cls_k"``, ``"loss_ref_box_k"`` for k = 1..K with MIST and OICR), scalars whose sum is the
+training loss. The method (``wsod.modeling.method.RefinementMethod``) makes each student's
+pseudo-labels and computes its losses; the detector only runs the chain of source scores. Evaluation
+returns per image ``{"boxes" (D, 4) in original pixels, "scores" (D,), "labels" (D,) foreground class
+0..C-1}``.
 
 Precision (docs/METHOD.md §2): under autocast only the base and the per-ROI neck run in reduced
 precision. ``losses``, ``predict_rois`` and ``postprocess`` cast reduced-precision ROI features to
@@ -18,7 +24,7 @@ scores, the losses and inference all compute in full precision whatever context 
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from functools import partial
 
 import torch
@@ -29,8 +35,15 @@ from torchvision.ops import batched_nms, clip_boxes_to_image, remove_small_boxes
 from wsod.modeling.backbone import Backbone
 from wsod.modeling.box_coder import decode_boxes
 from wsod.modeling.dropblock import ConcreteDropBlock
+from wsod.modeling.method import RefinementMethod
 from wsod.modeling.mil import MILHead, mil_loss
-from wsod.modeling.refinement import MISTLabeler, PseudoLabeler, RefinementStudent, refinement_losses
+from wsod.modeling.refinement import (
+    LabelerMethod,
+    MISTMethod,
+    OICRMethod,
+    PseudoLabeler,
+    RefinementStudent,
+)
 from wsod.modeling.resnet import resnet_c4_backbone
 from wsod.modeling.roi_head import RoIFeatureHead, build_roi_pooler
 from wsod.modeling.vgg import vgg16_backbone
@@ -38,6 +51,7 @@ from wsod.modeling.vgg import vgg16_backbone
 __all__ = [
     "WeaklySupervisedDetector",
     "BACKBONES",
+    "METHODS",
     "build_backbone",
     "build_detector",
     "detector_from_backbone",
@@ -49,8 +63,12 @@ BACKBONES: dict[str, Callable[..., Backbone]] = {
     **{f"resnet{depth}": partial(resnet_c4_backbone, depth) for depth in (18, 34, 50, 101)},
     "vgg16": vgg16_backbone,
 }
+# Refinement method name (``configs/method/*.yaml``'s ``name``) -> its class, built with the node's other
+# keys (``wsod.build.build_method``). A new method is one module and one line here.
+METHODS: dict[str, type[RefinementMethod]] = {"mist": MISTMethod, "oicr": OICRMethod}
 
 ImageSize = tuple[int, int]
+Targets = Mapping[str, Tensor]
 _REDUCED_PRECISION = (torch.float16, torch.bfloat16)
 # Detections narrower or shorter than this (original pixels) are dropped, as torchvision's heads do.
 MIN_BOX_SIZE = 1e-2
@@ -73,16 +91,21 @@ def proposals_to_rois(proposals: Sequence[Tensor]) -> Tensor:
 
 
 class WeaklySupervisedDetector(nn.Module):
-    """MIST detector (Ren et al., CVPR 2020) on a base network and a per-ROI feature head.
+    """The MIST detector (Ren et al., CVPR 2020) on a base network and a per-ROI feature head: a MIL
+    teacher and K students, taught by a refinement method (MIST, OICR, or any ``RefinementMethod``).
 
     Args:
         base: images (B, 3, H, W) -> feature map (B, C, H/stride, W/stride).
         roi_head: (feature map, rois (R, 5)) -> ROI features (R, D), e.g. ``RoIFeatureHead``.
         mil_head: the WSDDN teacher, ``MILHead(D, C)``.
         students: K ``RefinementStudent(D, C)``; at least one (inference averages them).
-        labeler: the refinement method, a ``PseudoLabeler`` (``MISTLabeler()``, ``OICRLabeler()``, or
-            any callable of that signature): each student's pseudo-labels from its predecessor's scores.
-        first_student_loss_weight: the reference code weights student 1's losses by 3.
+        method: the refinement method (``MISTMethod()`` when neither it nor ``labeler`` is given): each
+            student's pseudo-labels from its predecessor's scores, and that student's losses.
+        labeler: instead of ``method``, a plain ``PseudoLabeler`` (``MISTLabeler()``, ``OICRLabeler()``
+            or any callable of that signature), trained with the students' weighted losses
+            (``LabelerMethod``).
+        first_student_loss_weight: with ``labeler`` (or neither): student 1's loss factor (3, the
+            reference code's; default); a ``method`` carries its own.
         nms_iou, score_threshold, detections_per_image: inference post-processing.
     """
 
@@ -93,8 +116,9 @@ class WeaklySupervisedDetector(nn.Module):
         roi_head: nn.Module,
         mil_head: MILHead,
         students: Sequence[RefinementStudent],
+        method: RefinementMethod | None = None,
         labeler: PseudoLabeler | None = None,
-        first_student_loss_weight: float = 3.0,
+        first_student_loss_weight: float | None = None,
         nms_iou: float = 0.3,
         score_threshold: float = 0.0,
         detections_per_image: int = 100,
@@ -106,11 +130,21 @@ class WeaklySupervisedDetector(nn.Module):
         self.roi_head = roi_head
         self.mil_head = mil_head
         self.students = nn.ModuleList(students)
-        self.labeler = labeler if labeler is not None else MISTLabeler()
-        self.first_student_loss_weight = first_student_loss_weight
+        self.method = _as_method(method, labeler, first_student_loss_weight)
         self.nms_iou = nms_iou
         self.score_threshold = score_threshold
         self.detections_per_image = detections_per_image
+
+    @property
+    def labeler(self) -> PseudoLabeler | None:
+        """The method's per-image labeller when it has one (MIST, OICR, a ``LabelerMethod``), else None."""
+        return getattr(self.method, "labeler", None)
+
+    @property
+    def loss_names(self) -> tuple[str, ...]:
+        """The names of the training losses, in the order ``forward`` returns them: the MIL loss, then
+        the method's for the K students. What GradNorm and the logs count."""
+        return ("loss_mil", *self.method.loss_names(len(self.students)))
 
     @property
     def dropblock(self) -> nn.Module | None:
@@ -128,18 +162,22 @@ class WeaklySupervisedDetector(nn.Module):
         image_labels: Tensor | None = None,
         image_sizes: Sequence[ImageSize] | None = None,
         original_sizes: Sequence[ImageSize] | None = None,
+        targets: Sequence[Targets] | None = None,
         return_features: bool = False,
     ) -> dict[str, Tensor] | tuple[dict[str, Tensor], Tensor] | list[dict[str, Tensor]]:
         """Losses in training mode, detections in eval mode (see the module docstring).
 
-        ``return_features`` (training): also return the (R, D) ROI features the losses were computed
-        from, the boundary between the neck and the heads where GradNorm measures gradient norms
-        (``wsod.gradnorm``); through DistributedDataParallel too, which only sees ``forward``.
+        Training needs ``targets`` or ``image_labels`` (both: they must agree). ``return_features``
+        (training): also return the (R, D) ROI features the losses were computed from, the boundary
+        between the neck and the heads where GradNorm measures gradient norms (``wsod.gradnorm``);
+        through DistributedDataParallel too, which only sees ``forward``.
         """
-        self._check_inputs(images, proposals, image_labels)
+        self._check_inputs(images, proposals)
+        if self.training:  # checked before the base network runs
+            image_labels, targets = self._training_targets(len(proposals), image_labels, targets)
         roi_features = self.roi_features(images, proposals)
         if self.training:
-            losses = self.losses(roi_features, proposals, image_labels)
+            losses = self._full_precision_losses(roi_features, proposals, image_labels, targets)
             return (losses, roi_features) if return_features else losses
         padded = (images.shape[-2], images.shape[-1])
         image_sizes = image_sizes or [padded] * len(proposals)
@@ -147,7 +185,7 @@ class WeaklySupervisedDetector(nn.Module):
         per_roi = self.predict_rois(roi_features, proposals, image_sizes, original_sizes)
         return [self.postprocess(scores, boxes) for scores, boxes in per_roi]
 
-    def _check_inputs(self, images: Tensor, proposals: Sequence[Tensor], image_labels: Tensor | None) -> None:
+    def _check_inputs(self, images: Tensor, proposals: Sequence[Tensor]) -> None:
         if images.dim() != 4 or len(proposals) != images.shape[0]:
             raise ValueError(
                 f"expected images (B, 3, H, W) and B proposal tensors; got images"
@@ -159,61 +197,97 @@ class WeaklySupervisedDetector(nn.Module):
                     f"image {i} of the batch: proposals must be a non-empty (R, 4) tensor, got"
                     f" {tuple(boxes.shape)}"
                 )
-        if self.training and (
-            image_labels is None or image_labels.shape != (len(proposals), self.num_classes)
-        ):
-            got = None if image_labels is None else tuple(image_labels.shape)
+
+    def _training_targets(
+        self, batch_size: int, image_labels: Tensor | None, targets: Sequence[Targets] | None
+    ) -> tuple[Tensor, Sequence[Targets]]:
+        """(image_labels (B, C), one targets dict per image) from whichever the caller gave, checked."""
+        expected = (batch_size, self.num_classes)
+        if targets is None:
+            if image_labels is None or image_labels.shape != expected:
+                got = None if image_labels is None else tuple(image_labels.shape)
+                raise ValueError(
+                    f"training needs targets (B dicts with 'labels' (C,)) or image_labels of shape (B, C) ="
+                    f" {expected}, got image_labels {got}"
+                )
+            return image_labels, [{"labels": row} for row in image_labels]
+        if len(targets) != batch_size:
+            raise ValueError(f"targets must hold one dict per image ({batch_size}), got {len(targets)}")
+        for i, target in enumerate(targets):
+            labels = target.get("labels")
+            if labels is None or labels.shape != expected[1:]:
+                got = None if labels is None else tuple(labels.shape)
+                raise ValueError(
+                    f"targets[{i}]['labels'] must be the image's (C,) = ({self.num_classes},) multi-hot"
+                    f" labels, got {got}"
+                )
+        stacked = torch.stack([target["labels"] for target in targets])
+        if image_labels is None:
+            return stacked, targets
+        if image_labels.shape != expected or not torch.equal(image_labels, stacked.to(image_labels)):
             raise ValueError(
-                f"training needs image_labels of shape (B, C) = ({len(proposals)},"
-                f" {self.num_classes}), got {got}"
+                "image_labels and the targets' 'labels' disagree: pass one of them, or the same labels"
             )
+        return image_labels, targets
 
     def roi_features(self, images: Tensor, proposals: Sequence[Tensor]) -> Tensor:
         """images (B, 3, H, W), proposals B x (R_i, 4) -> ROI features (sum R_i, D)."""
         return self.roi_head(self.base(images), proposals_to_rois(proposals))
 
     def losses(
-        self, roi_features: Tensor, proposals: Sequence[Tensor], image_labels: Tensor
+        self,
+        roi_features: Tensor,
+        proposals: Sequence[Tensor],
+        image_labels: Tensor | None = None,
+        targets: Sequence[Targets] | None = None,
     ) -> dict[str, Tensor]:
-        """MIL loss of the teacher, then each student trained on pseudo-labels from its predecessor.
+        """MIL loss of the teacher, then each student trained on pseudo-labels from its predecessor, as
+        the method says. ``image_labels`` (B, C) or ``targets`` (one dict per image), as ``forward``.
 
         Runs in full precision: ROI features in bf16 / fp16 are cast to float32 and autocast is off, so
         that MIST ranks float32 scores (bf16 keeps 8 significant bits: near-duplicate proposals would
         tie and the top-ranked box would change).
         """
+        image_labels, targets = self._training_targets(len(proposals), image_labels, targets)
+        return self._full_precision_losses(roi_features, proposals, image_labels, targets)
+
+    def _full_precision_losses(
+        self,
+        roi_features: Tensor,
+        proposals: Sequence[Tensor],
+        image_labels: Tensor,
+        targets: Sequence[Targets],
+    ) -> dict[str, Tensor]:
         with _autocast_off(roi_features):
-            return self._losses(_full_precision(roi_features), proposals, image_labels)
+            return self._losses(_full_precision(roi_features), proposals, image_labels, targets)
 
     def _losses(
-        self, roi_features: Tensor, proposals: Sequence[Tensor], image_labels: Tensor
+        self,
+        roi_features: Tensor,
+        proposals: Sequence[Tensor],
+        image_labels: Tensor,
+        targets: Sequence[Targets],
     ) -> dict[str, Tensor]:
         counts = [len(p) for p in proposals]
         teacher_scores = self.mil_head(roi_features, counts)  # (R, C+1)
         losses = {"loss_mil": mil_loss(teacher_scores, counts, image_labels)}
-        roi_normalizer = torch.cat([roi_features.new_full((n,), 1.0 / (n * len(counts))) for n in counts])
         source_scores = teacher_scores.detach()
         for k, student in enumerate(self.students, start=1):
             logits, deltas = student(roi_features)
-            labels, weights, targets = self._pseudo_labels(source_scores, proposals, image_labels)
-            cls_loss, box_loss = refinement_losses(logits, deltas, labels, weights, targets, roi_normalizer)
-            factor = self.first_student_loss_weight if k == 1 else 1.0
-            losses[f"loss_ref_cls_{k}"] = factor * cls_loss
-            losses[f"loss_ref_box_{k}"] = factor * box_loss
+            per_image = zip(proposals, source_scores.split(counts), targets, strict=True)
+            with torch.no_grad():
+                records = [
+                    self.method.pseudo_labels(k, boxes, scores[:, 1:], target)  # column 0: background
+                    for boxes, scores, target in per_image
+                ]
+            losses.update(self.method.losses(k, logits, deltas, records, proposals))
             source_scores = F.softmax(logits.detach(), dim=1)
-        return losses
-
-    def _pseudo_labels(
-        self, source_scores: Tensor, proposals: Sequence[Tensor], image_labels: Tensor
-    ) -> tuple[Tensor, Tensor, Tensor]:
-        """Per-image pseudo-labels from (R, C+1) source scores, concatenated over the batch."""
-        per_image = [
-            self.labeler(boxes, scores[:, 1:], labels)  # column 0 of the source scores is background
-            for boxes, scores, labels in zip(
-                proposals, source_scores.split([len(p) for p in proposals]), image_labels, strict=True
+        if tuple(losses) != self.loss_names:  # what GradNorm and the logs count must be what is returned
+            raise RuntimeError(
+                f"{type(self.method).__name__}.losses returned {list(losses)[1:]} but its loss_names"
+                f"({len(self.students)}) are {list(self.loss_names)[1:]}: make the two agree, names and order"
             )
-        ]
-        labels, weights, targets = zip(*per_image, strict=True)
-        return torch.cat(labels), torch.cat(weights), torch.cat(targets)
+        return losses
 
     def predict_rois(
         self,
@@ -286,6 +360,24 @@ class WeaklySupervisedDetector(nn.Module):
         return {"boxes": fg_boxes[kept], "scores": fg_scores[kept], "labels": fg_labels[kept]}
 
 
+def _as_method(
+    method: RefinementMethod | None, labeler: PseudoLabeler | None, first_student_loss_weight: float | None
+) -> RefinementMethod:
+    """The detector's refinement method from its ``method`` / ``labeler`` / ``first_student_loss_weight``
+    arguments: MIST by default, a plain labeller wrapped with the students' weighted losses."""
+    if method is not None:
+        if labeler is not None or first_student_loss_weight is not None:
+            raise ValueError(
+                "give either a method or a labeler (with first_student_loss_weight), not both: a method"
+                " carries its own settings, e.g. MISTMethod(first_student_loss_weight=3.0)"
+            )
+        return method
+    weight = 3.0 if first_student_loss_weight is None else first_student_loss_weight
+    if labeler is None:
+        return MISTMethod(first_student_loss_weight=weight)
+    return LabelerMethod(labeler, first_student_loss_weight=weight)
+
+
 def build_backbone(name: str, **options) -> Backbone:
     """The ``Backbone`` called ``name`` in ``BACKBONES``, built with its own ``options`` (for ResNet:
     ``width``, ``weights``, ``norm``, ``neck_norm``, ``freeze_at``, see ``build_resnet_c4``; for VGG16:
@@ -304,8 +396,8 @@ def detector_from_backbone(
     chunk_size: int | str | None = 256,
     *,
     test_chunk_size: int | None = None,
-    pooler: str = "align",
-    roi_size: int = 14,
+    pooler: str | None = None,
+    roi_size: int | None = None,
     fuse_pooling: bool = True,
     memory_budget_gb: float | None = None,
     num_students: int = 3,
@@ -313,16 +405,22 @@ def detector_from_backbone(
     dropblock_hidden: int | None = None,
     **detector_options,
 ) -> WeaklySupervisedDetector:
-    """The detector on a built ``Backbone``: ROI pooler at ``1 / backbone.stride``, the backbone's neck
-    under sequential backprop (``RoIFeatureHead``; ``chunk_size="auto"`` with ``memory_budget_gb``, see
-    ``wsod.modeling.chunking``), the MIL teacher and ``num_students`` students of width
-    ``backbone.feature_dim``. ``dropblock``: Concrete DropBlock on the pooled features
+    """The detector on a built ``Backbone``: ROI pooler at ``1 / backbone.stride`` (``pooler`` and
+    ``roi_size``: the backbone's own, ``backbone.pooler`` and ``backbone.roi_size``, unless given), the
+    backbone's neck under sequential backprop (``RoIFeatureHead``; ``chunk_size="auto"`` with
+    ``memory_budget_gb``, see ``wsod.modeling.chunking``), the MIL teacher and ``num_students`` students
+    of width ``backbone.feature_dim``. ``dropblock``: Concrete DropBlock on the pooled features
     (``ConcreteDropBlock(backbone.channels, hidden_channels=dropblock_hidden)``), trained by the
     adversarial step of ``wsod.engine.adversarial``. ``detector_options`` go to
-    ``WeaklySupervisedDetector``."""
+    ``WeaklySupervisedDetector`` (``method`` or ``labeler``, post-processing)."""
     block = ConcreteDropBlock(backbone.channels, hidden_channels=dropblock_hidden) if dropblock else None
+    roi_pooler = build_roi_pooler(
+        backbone.pooler if pooler is None else pooler,
+        output_size=backbone.roi_size if roi_size is None else roi_size,
+        spatial_scale=1 / backbone.stride,
+    )
     roi_head = RoIFeatureHead(
-        build_roi_pooler(pooler, output_size=roi_size, spatial_scale=1 / backbone.stride),
+        roi_pooler,
         backbone.neck,
         chunk_size=chunk_size,
         inference_chunk_size=test_chunk_size,
@@ -345,30 +443,31 @@ def build_detector(
     chunk_size: int | str | None = 256,
     *,
     test_chunk_size: int | None = None,
-    pooler: str = "align",
-    roi_size: int = 14,
+    pooler: str | None = None,
+    roi_size: int | None = None,
     fuse_pooling: bool = True,
     memory_budget_gb: float | None = None,
     num_students: int = 3,
     dropblock: bool = False,
     dropblock_hidden: int | None = None,
+    method: RefinementMethod | None = None,
     labeler: PseudoLabeler | None = None,
-    first_student_loss_weight: float = 3.0,
+    first_student_loss_weight: float | None = None,
     nms_iou: float = 0.3,
     score_threshold: float = 0.0,
     detections_per_image: int = 100,
     **backbone_options,
 ) -> WeaklySupervisedDetector:
-    """One-line builder: ``build_detector("resnet50", num_classes=20, chunk_size=256)``, or
-    ``chunk_size="auto"`` (plain autograd when a step's ROIs fit ``memory_budget_gb``, else the largest
-    chunk that does; on CUDA the budget may be ``None``: the free memory less a margin).
+    """One-line builder: ``build_detector("resnet50", num_classes=20, chunk_size=256)`` (or ``"vgg16"``,
+    each backbone with its own ROI pooling), or ``chunk_size="auto"`` (plain autograd when a step's ROIs
+    fit ``memory_budget_gb``, else the largest chunk that does; on CUDA the budget may be ``None``: the
+    free memory less a margin). ``method``: the refinement method (``OICRMethod()``...; MIST by default).
 
     ``backbone`` is a name of ``BACKBONES`` and ``backbone_options`` its builder's options (ResNet:
-    ``width``, ``weights``, ``norm``, ``neck_norm``, ``freeze_at``; VGG16: ``weights``, ``freeze_at``,
-    with ``pooler="pool", roi_size=7``); see ``detector_from_backbone`` for the ROI head
-    (``chunk_size``, ``test_chunk_size``, ``pooler``, ``roi_size``, ``fuse_pooling``,
-    ``memory_budget_gb``, ``dropblock``, ``dropblock_hidden``) and ``WeaklySupervisedDetector`` for the
-    rest.
+    ``width``, ``weights``, ``norm``, ``neck_norm``, ``freeze_at``; VGG16: ``weights``, ``freeze_at``);
+    see ``detector_from_backbone`` for the ROI head (``chunk_size``, ``test_chunk_size``, ``pooler``,
+    ``roi_size``, ``fuse_pooling``, ``memory_budget_gb``, ``dropblock``, ``dropblock_hidden``) and
+    ``WeaklySupervisedDetector`` for the rest.
     """
     return detector_from_backbone(
         build_backbone(backbone, **backbone_options),
@@ -382,6 +481,7 @@ def build_detector(
         num_students=num_students,
         dropblock=dropblock,
         dropblock_hidden=dropblock_hidden,
+        method=method,
         labeler=labeler,
         first_student_loss_weight=first_student_loss_weight,
         nms_iou=nms_iou,

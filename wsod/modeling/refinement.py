@@ -1,8 +1,12 @@
-"""Refinement students: OICR / MIST pseudo ground truth from a teacher's scores, and the students' losses.
+"""Refinement students, MIST and OICR: pseudo ground truth from a teacher's scores, the students' losses.
 
 Pseudo-labelling is a pure per-image function, run without gradients, so that it can be checked on its
 own. Boxes are xyxy floats in input pixels; IoU is torchvision's ``box_iou`` (width = x2 - x1) and
 regression targets are torchvision's ``BoxCoder`` encoding with weights (10, 10, 5, 5).
+
+``MISTMethod`` and ``OICRMethod`` are the two as refinement methods (``wsod.modeling.method``): their
+labeller plus ``refinement_losses``, student 1's losses weighted by ``first_student_loss_weight``;
+``LabelerMethod`` does the same for any ``PseudoLabeler``.
 
 Ordering conventions (they decide ties): proposals of a class are ranked by score with a stable sort, so
 equal scores keep proposal order; pseudo boxes are listed class by class in ascending class order and,
@@ -14,6 +18,7 @@ Foreground rule: MIST calls an ROI foreground at IoU >= ``fg_iou`` with its pseu
 
 from __future__ import annotations
 
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -23,6 +28,7 @@ from torch import Tensor, nn
 from torchvision.ops import box_iou, nms
 
 from wsod.modeling.box_coder import encode_boxes
+from wsod.modeling.method import PseudoLabels, RefinementMethod
 from wsod.modeling.mil import init_linear
 
 __all__ = [
@@ -30,20 +36,25 @@ __all__ = [
     "PseudoLabeler",
     "MISTLabeler",
     "OICRLabeler",
+    "LabelerMethod",
+    "MISTMethod",
+    "OICRMethod",
     "mist_pseudo_labels",
     "oicr_pseudo_labels",
     "refinement_losses",
 ]
 
-PseudoLabels = tuple[Tensor, Tensor, Tensor]
+# A labeller's per-ROI (labels, weights, targets); the method record ``PseudoLabels`` holds the same three.
+LabelTriple = tuple[Tensor, Tensor, Tensor]
 
 
 class PseudoLabeler(Protocol):
-    """A refinement method: one image's proposals (R, 4), source scores (R, C) of the foreground classes
+    """A per-image labeller: one image's proposals (R, 4), source scores (R, C) of the foreground classes
     and image labels (C,) -> per-ROI labels (R,) int64 (0 = background, c + 1 = class c), weights (R,)
-    and regression targets (R, 4). Called without gradients. See ``mist_pseudo_labels``."""
+    and regression targets (R, 4). Called without gradients. See ``mist_pseudo_labels``; with the
+    students' losses it is a refinement method (``LabelerMethod``)."""
 
-    def __call__(self, proposals: Tensor, scores: Tensor, image_labels: Tensor) -> PseudoLabels: ...
+    def __call__(self, proposals: Tensor, scores: Tensor, image_labels: Tensor) -> LabelTriple: ...
 
 
 class RefinementStudent(nn.Module):
@@ -219,7 +230,7 @@ class MISTLabeler:
         if not 0.0 <= self.p <= 1.0:
             raise ValueError(f"MIST's top fraction p must be in [0, 1], got {self.p}")
 
-    def __call__(self, proposals: Tensor, scores: Tensor, image_labels: Tensor) -> PseudoLabels:
+    def __call__(self, proposals: Tensor, scores: Tensor, image_labels: Tensor) -> LabelTriple:
         return mist_pseudo_labels(
             proposals,
             scores,
@@ -238,7 +249,7 @@ class OICRLabeler:
 
     fg_iou: float = 0.5
 
-    def __call__(self, proposals: Tensor, scores: Tensor, image_labels: Tensor) -> PseudoLabels:
+    def __call__(self, proposals: Tensor, scores: Tensor, image_labels: Tensor) -> LabelTriple:
         return oicr_pseudo_labels(proposals, scores, image_labels, fg_iou=self.fg_iou)
 
 
@@ -271,3 +282,87 @@ def refinement_losses(
     ).sum(dim=1)
     box_loss = (weights[foreground] * smooth_l1 * roi_normalizer[foreground]).sum()
     return cls_loss, box_loss
+
+
+class LabelerMethod(RefinementMethod):
+    """A ``PseudoLabeler`` as a refinement method: every student gets the labeller's per-ROI labels,
+    weights and targets from its source scores and the image's ``targets["labels"]``, and learns with
+    ``refinement_losses`` (``loss_ref_cls_k``, ``loss_ref_box_k``), student 1's two losses multiplied by
+    ``first_student_loss_weight`` (the reference code's 3)."""
+
+    def __init__(self, labeler: PseudoLabeler, *, first_student_loss_weight: float = 3.0) -> None:
+        if not first_student_loss_weight >= 0:
+            raise ValueError(f"first_student_loss_weight must be >= 0, got {first_student_loss_weight}")
+        self.labeler = labeler
+        self.first_student_loss_weight = first_student_loss_weight
+
+    def __eq__(self, other: object) -> bool:
+        return type(other) is type(self) and vars(other) == vars(self)
+
+    __hash__ = None  # equal by settings, and mutable
+
+    def __repr__(self) -> str:
+        settings = ", ".join(f"{k}={v!r}" for k, v in vars(self).items())
+        return f"{type(self).__name__}({settings})"
+
+    def loss_names(self, num_students: int) -> tuple[str, ...]:
+        return tuple(f"loss_ref_{kind}_{k}" for k in range(1, num_students + 1) for kind in ("cls", "box"))
+
+    def pseudo_labels(
+        self, student: int, proposals: Tensor, scores: Tensor, targets: Mapping[str, Tensor]
+    ) -> PseudoLabels:
+        return PseudoLabels(*self.labeler(proposals, scores, targets["labels"]))
+
+    def losses(
+        self,
+        student: int,
+        logits: Tensor,
+        deltas: Tensor,
+        records: Sequence[PseudoLabels],
+        proposals: Sequence[Tensor],
+    ) -> dict[str, Tensor]:
+        # Each loss is a mean over an image's ROIs, then over the images (docs/METHOD.md §4).
+        roi_normalizer = torch.cat([logits.new_full((len(r),), 1 / (len(r) * len(records))) for r in records])
+        cls_loss, box_loss = refinement_losses(
+            logits,
+            deltas,
+            torch.cat([r.labels for r in records]),
+            torch.cat([r.weights for r in records]),
+            torch.cat([r.targets for r in records]),
+            roi_normalizer,
+        )
+        factor = self.first_student_loss_weight if student == 1 else 1.0
+        return {f"loss_ref_cls_{student}": factor * cls_loss, f"loss_ref_box_{student}": factor * box_loss}
+
+
+class MISTMethod(LabelerMethod):
+    """MIST (Ren et al., CVPR 2020): ``MISTLabeler(p, tau, suppress, fg_iou)`` with the students' weighted
+    losses. The settings of ``configs/method/mist.yaml``."""
+
+    def __init__(
+        self,
+        *,
+        p: float = 0.15,
+        tau: float = 0.2,
+        suppress: str = "candidates",
+        fg_iou: float = 0.5,
+        first_student_loss_weight: float = 3.0,
+    ) -> None:
+        labeler = MISTLabeler(p=p, tau=tau, suppress=suppress, fg_iou=fg_iou)
+        super().__init__(labeler, first_student_loss_weight=first_student_loss_weight)
+
+    @property
+    def fg_iou(self) -> float:
+        return self.labeler.fg_iou
+
+
+class OICRMethod(LabelerMethod):
+    """OICR (Tang et al., CVPR 2017): ``OICRLabeler(fg_iou)`` with the students' weighted losses. The
+    settings of ``configs/method/oicr.yaml``."""
+
+    def __init__(self, *, fg_iou: float = 0.5, first_student_loss_weight: float = 3.0) -> None:
+        super().__init__(OICRLabeler(fg_iou=fg_iou), first_student_loss_weight=first_student_loss_weight)
+
+    @property
+    def fg_iou(self) -> float:
+        return self.labeler.fg_iou

@@ -181,9 +181,16 @@ class ResNetNeck(nn.Sequential):
 
 def resnet_c4_backbone(depth: int, **options) -> Backbone:
     """``build_resnet_c4(depth, **options)`` behind the backbone seam: base at stride 16, res5 + average
-    pooling as the neck, C5 features per ROI (2048 for ResNet-50/101 at full width)."""
+    pooling as the neck, C5 features per ROI (2048 for ResNet-50/101 at full width), from RoIAlign 14x14
+    (the backbone's ``pooler="align", roi_size=14``)."""
     base, res5 = build_resnet_c4(depth, **options)
     neck = ResNetNeck(*res5)
     return Backbone(
-        base=base, neck=neck, stride=C4_STRIDE, feature_dim=res5.out_channels, channels=base.out_channels
+        base=base,
+        neck=neck,
+        stride=C4_STRIDE,
+        feature_dim=res5.out_channels,
+        channels=base.out_channels,
+        pooler="align",
+        roi_size=14,
     )

@@ -64,7 +64,7 @@ class _NeckWithPooling(nn.Module):
         self.neck = neck
 
     def forward(self, features: Tensor, rois: Tensor | None = None) -> Tensor:
-        # With a pooler: features (B, C4, H, W) shared, rois (R, 5) split; else features = pooled (R, ...).
+        # With a pooler: features (B, C, H, W) shared, rois (R, 5) split; else features = pooled (R, ...).
         x = self.pooler(features, rois) if self.pooler is not None else features
         if self.dropblock is not None:
             x = self.dropblock(x)  # inside the recomputed region: its samples are replayed
@@ -75,7 +75,7 @@ class RoIFeatureHead(nn.Module):
     """Feature map + ROIs -> per-ROI feature vectors.
 
     Args:
-        pooler: ``(features (B, C4, H, W), rois (R, 5)) -> (R, C4, S, S)``, e.g. ``build_roi_pooler()``.
+        pooler: ``(features (B, C, H, W), rois (R, 5)) -> (R, C, S, S)``, e.g. ``build_roi_pooler()``.
         neck: ``(R, C, S, S) -> (R, D)``, e.g. ``ResNetNeck`` (res5 + average pooling). Must treat ROIs
             independently when ``chunk_size`` is set.
         chunk_size: ROIs per recompute chunk of sequential backprop; ``None`` for plain autograd;

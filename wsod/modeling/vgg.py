@@ -135,7 +135,8 @@ def _check_state_dict(state: dict[str, torch.Tensor], layers: dict[str, nn.Modul
 
 def vgg16_backbone(*, weights: str | None = None, freeze_at: int = 2, _width: float = 1.0) -> Backbone:
     """VGG16 behind the backbone seam: conv1_1..conv5_3 base at stride 8 (512 channels), fc6/fc7 neck
-    giving 4096 features per ROI from RoIPool 7x7 (``pooler="pool", roi_size=7``).
+    giving 4096 features per ROI from RoIPool 7x7 (the backbone's ``pooler="pool", roi_size=7``, which
+    the detector uses unless told otherwise).
 
     Args:
         weights: ImageNet weights, a torchvision name ("IMAGENET1K_V1", "DEFAULT",
@@ -165,5 +166,11 @@ def vgg16_backbone(*, weights: str | None = None, freeze_at: int = 2, _width: fl
             getattr(base, name).requires_grad_(False)
     channels = base.conv5_3.out_channels
     return Backbone(
-        base=base, neck=neck, stride=VGG16_STRIDE, feature_dim=neck.fc7.out_features, channels=channels
+        base=base,
+        neck=neck,
+        stride=VGG16_STRIDE,
+        feature_dim=neck.fc7.out_features,
+        channels=channels,
+        pooler="pool",  # fc6 was trained on 7x7 max-pooled features
+        roi_size=ROI_SIZE,
     )

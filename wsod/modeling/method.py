@@ -1,0 +1,104 @@
+"""The refinement-method seam: how the students learn, as one object the detector asks.
+
+A refinement method (MIST, OICR, PCL...) decides two things for each student k = 1..K:
+
+* ``pseudo_labels``: from one image's proposals, its source scores (the teacher's ROI scores for
+  student 1, the softmax of student k-1 for k > 1; foreground columns only) and that image's
+  ``targets`` dict, that image's pseudo ground truth, a ``PseudoLabels`` record. Called per image and
+  without gradients.
+* ``losses``: from the student's outputs over the batch and the per-image records, that student's named
+  losses. The method batches its own records (e.g. cluster ids need per-image offsets).
+
+``loss_names(K)`` lists every loss the method returns, in order; the detector's ``loss_names`` are
+``("loss_mil", *method.loss_names(K))``, which is what counts losses (GradNorm's weights, the logs), so a
+method without a box loss or with three losses per student needs nothing changed elsewhere.
+
+The detector owns the chain of source scores and the students; the method never sees a student
+module, only its outputs. ``wsod.modeling.refinement`` holds MIST and OICR as methods
+(``MISTMethod``, ``OICRMethod``) and ``LabelerMethod``, which turns any per-image ``PseudoLabeler``
+into a method with the students' weighted losses; ``wsod.modeling.detector.METHODS`` names them for
+configs (``configs/method/*.yaml``).
+
+Targets (one dict per image, from the data loader): ``"labels"`` (C,) multi-hot, always; optional
+supervision in the resized, flipped image's pixels, e.g. ``"points"`` (P, 2) xy with ``"point_labels"``
+(P,), ``"boxes"`` (G, 4) xyxy with ``"box_labels"`` (G,). A method reads what it understands.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+
+import torch
+from torch import Tensor
+
+__all__ = ["PseudoLabels", "RefinementMethod"]
+
+
+@dataclass(frozen=True)
+class PseudoLabels:
+    """One image's pseudo ground truth for one student.
+
+    labels (R,) int64: 0 for background, c + 1 for foreground class c;
+    weights (R,): each ROI's loss weight;
+    targets (R, 4): regression targets (the ``BoxCoder`` (10, 10, 5, 5) encoding for MIST and OICR),
+        zeros where nothing is regressed;
+    extra: any other field the method's loss needs, per ROI (R, ...) or per image (e.g. a cluster id
+        per ROI and a score per cluster); the method's ``losses`` is the only reader.
+    """
+
+    labels: Tensor
+    weights: Tensor
+    targets: Tensor
+    extra: dict[str, Tensor] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        if self.labels.dim() != 1 or self.labels.dtype != torch.int64:
+            raise ValueError(
+                f"PseudoLabels.labels must be (R,) int64, got {tuple(self.labels.shape)} {self.labels.dtype}"
+            )
+        num_rois = self.labels.shape[0]
+        if self.weights.shape != (num_rois,) or self.targets.shape != (num_rois, 4):
+            raise ValueError(
+                f"PseudoLabels: weights must be (R,) and targets (R, 4) with R = {num_rois} (the labels'),"
+                f" got {tuple(self.weights.shape)} and {tuple(self.targets.shape)}"
+            )
+
+    def __len__(self) -> int:
+        return self.labels.shape[0]
+
+
+class RefinementMethod(ABC):
+    """How each student learns: per image pseudo-labels (no gradient), per student losses.
+
+    ``student`` is the student's number k = 1..K, as in the loss names (student 1 learns from the MIL
+    teacher). Every tensor is in full precision (the detector casts reduced-precision ROI features up
+    and turns autocast off before calling a method).
+    """
+
+    @abstractmethod
+    def loss_names(self, num_students: int) -> tuple[str, ...]:
+        """Every loss ``losses`` returns for K = ``num_students`` students, student 1's first, each
+        student's in the order its ``losses`` dict has them."""
+
+    @abstractmethod
+    def pseudo_labels(
+        self, student: int, proposals: Tensor, scores: Tensor, targets: Mapping[str, Tensor]
+    ) -> PseudoLabels:
+        """One image's record: proposals (R, 4) xyxy in the resized image's pixels; scores (R, C) the
+        source scores of the C foreground classes; targets the image's dict (``targets["labels"]``
+        (C,) multi-hot, plus whatever supervision the data carries). Called under ``torch.no_grad``."""
+
+    @abstractmethod
+    def losses(
+        self,
+        student: int,
+        logits: Tensor,
+        deltas: Tensor,
+        records: Sequence[PseudoLabels],
+        proposals: Sequence[Tensor],
+    ) -> dict[str, Tensor]:
+        """The student's named scalar losses: logits (R, C+1) (column 0 background) and box deltas
+        (R, 4 (C+1)) of the whole batch (images concatenated in order, R = sum R_i); records and
+        proposals (R_i, 4) one per image, in the same order."""
