@@ -52,8 +52,9 @@ def test_collate_pads_to_the_size_divisor_and_keeps_per_image_fields():
     assert batch["image_labels"].shape == (2, 2) and batch["image_labels"].dtype == torch.float32
     assert batch["image_sizes"] == [(40, 70), (65, 20)] and batch["original_sizes"] == [(80, 140), (130, 40)]
     assert batch["image_ids"] == ["a", "b"] and batch["flipped"] == [False, False]
-    assert batch["annotations"][1] is None
-    torch.testing.assert_close(batch["annotations"][0]["boxes"], torch.tensor([[1.0, 2.0, 3.0, 4.0]]))
+    # Items built without targets get their labels as targets; ground truth is not a batch field.
+    assert [set(t) for t in batch["targets"]] == [{"labels"}, {"labels"}] and "annotations" not in batch
+    torch.testing.assert_close(batch["targets"][1]["labels"], batch["image_labels"][1])
     assert collate([_item(64, 32, "c")])["images"].shape == (1, 3, 64, 32)
 
 

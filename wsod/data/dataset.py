@@ -6,17 +6,23 @@ loads the image, looks up and filters its proposals and applies the transform. I
     image          tv_tensors.Image uint8 (3, H, W), RGB
     image_id       the record's id (str for VOC, int for COCO)
     labels         (C,) float32 multi-hot over foreground classes 0..C-1
+    targets        the image's supervision (``wsod.data.targets``): {"labels": the labels above, and the
+                   record's ``supervision`` fields, geometry as tv_tensors in original pixels}
     proposals      tv_tensors.BoundingBoxes float32 (R, 4) xyxy, original pixels, R >= 1
     original_size  (H, W) of the decoded image
     gt_boxes (G, 4) float32, gt_labels (G,) int64, gt_difficult (G,) bool   (when the format has boxes)
 
-Ground-truth boxes are for evaluation only and stay in original pixels through every transform.
+Ground-truth boxes are for evaluation only and stay in original pixels through every transform; they
+are not supervision and never enter ``targets``.
 
 Bad input, and why each is an error or a skip:
 - a listed image file that does not exist: ``FileNotFoundError`` at construction naming the first one and
   the count (``check_files``); a missing file is a broken download, and training must not start on it.
 - an image that does not decode (corrupt or truncated): ``RuntimeError`` naming the file when the item is
   loaded; skipping it inside a worker would silently change batch composition and epoch length.
+- a record's ``supervision`` that breaks the targets convention (a field named ``labels``, geometry of
+  the wrong shape, outside the image, or a box with x2 < x1): ``ValueError`` at construction naming the
+  image, its file and the field (``wsod.data.targets.check_supervision``); it would train on nonsense.
 - an image id absent from the proposal file: ``MissingProposalsError`` at construction naming the id, the
   count and the file.
 - an image whose size differs from the size the proposal file records for it (replaced or resized after
@@ -34,16 +40,18 @@ from __future__ import annotations
 import bisect
 import logging
 import os
-from collections.abc import Callable, Hashable, Sequence
+from collections.abc import Callable, Hashable, Mapping, Sequence
 from dataclasses import dataclass
 
 import numpy as np
 import torch
+from numpy.typing import ArrayLike
 from torch.utils.data import ConcatDataset, Dataset
 from torchvision import tv_tensors
 
 from wsod.data.image_io import read_image_rgb, read_image_size
 from wsod.data.proposals import ProposalSet, filter_proposals, load_proposals, whole_image_box
+from wsod.data.targets import check_supervision, make_targets
 
 __all__ = [
     "ImageRecord",
@@ -65,7 +73,9 @@ class ImageRecord:
 
     ``labels`` (C,) float32 multi-hot; ``gt_boxes`` (G, 4) float32 0-based inclusive xyxy (COCO: xywh ->
     xyxy); ``gt_labels`` (G,) int64 in 0..C-1; ``gt_difficult`` (G,) bool. The three ``gt_`` fields are
-    None for label-only data.
+    None for label-only data; they are for evaluation. ``supervision``: training supervision beyond the
+    image labels, field name -> array in pixels of the image on disk (e.g. ``{"points": (P, 2) x y,
+    "point_labels": (P,)}``; names and rules in ``wsod.data.targets``), None for image-label data.
     """
 
     image_id: ImageId
@@ -76,6 +86,7 @@ class ImageRecord:
     gt_boxes: np.ndarray | None = None
     gt_labels: np.ndarray | None = None
     gt_difficult: np.ndarray | None = None
+    supervision: Mapping[str, ArrayLike] | None = None
 
     @property
     def has_boxes(self) -> bool:
@@ -145,6 +156,9 @@ class WeakDetectionDataset(Dataset):
                     len(records),
                 )
             records = kept
+        for r in records:
+            if r.supervision:
+                check_supervision(r.supervision, (r.height, r.width), f"image {r.image_id!r} ({r.path})")
         if check_files:
             missing = [r.path for r in records if not os.path.isfile(r.path)]
             if missing:
@@ -232,10 +246,12 @@ class WeakDetectionDataset(Dataset):
         image = load_image(record.path)
         size = (image.shape[-2], image.shape[-1])
         boxes = self.proposals_of(index, size)
+        labels = torch.tensor(record.labels, dtype=torch.float32)
         item = {
             "image": image,
             "image_id": record.image_id,
-            "labels": torch.tensor(record.labels, dtype=torch.float32),
+            "labels": labels,
+            "targets": make_targets(labels, record.supervision, size),
             "proposals": tv_tensors.BoundingBoxes(boxes, format="XYXY", canvas_size=size),
             "original_size": size,
         }

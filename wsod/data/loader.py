@@ -8,13 +8,16 @@ A collated batch (``collate``) is a dict:
     image_labels    float32 (B, C) multi-hot
     image_sizes     list of B (h, w) resized, unpadded
     original_sizes  list of B (H, W) on disk
+    targets         list of B dicts, each image's supervision (``wsod.data.targets``): "labels" (C,)
+                    float32 (its row of image_labels) and any geometric fields as plain tensors in resized
+                    (and flipped) pixels, e.g. "points" (P, 2) with "point_labels" (P,) int64; an item
+                    without targets (built by hand) gets {"labels": its labels}
     image_ids       list of B ids
     flipped         list of B bools
-    annotations     list of B dicts {boxes (G, 4) float32, labels (G,) int64, difficult (G,) bool} in
-                    original pixels, or None for label-only data
 
-The first five are exactly the keyword arguments of ``WeaklySupervisedDetector.forward``:
-``model(**model_inputs(batch))``.
+``MODEL_INPUT_KEYS`` (the first six) are exactly the keyword arguments of
+``WeaklySupervisedDetector.forward``: ``model(**model_inputs(batch))``. Ground-truth boxes for evaluation
+are not in a batch: evaluation reads them from the dataset (``WeakDetectionDataset.ground_truth``).
 
 Sampling: every loader draws indices from a ``DistributedSampler`` (with one replica when not
 distributed), so an epoch's order is a function of ``seed`` and the epoch number on every rank, and
@@ -45,7 +48,7 @@ __all__ = [
     "infinite_batches",
 ]
 
-MODEL_INPUT_KEYS = ("images", "proposals", "image_labels", "image_sizes", "original_sizes")
+MODEL_INPUT_KEYS = ("images", "proposals", "image_labels", "image_sizes", "original_sizes", "targets")
 SIZE_DIVISOR = 32
 
 
@@ -57,21 +60,15 @@ def collate(items: Sequence[dict], size_divisor: int = SIZE_DIVISOR) -> dict:
     images = items[0]["image"].new_zeros(len(items), 3, padded_h, padded_w)
     for image, item, (h, w) in zip(images, items, sizes, strict=True):
         image[:, :h, :w].copy_(item["image"])
-    annotations = [
-        {"boxes": item["gt_boxes"], "labels": item["gt_labels"], "difficult": item["gt_difficult"]}
-        if "gt_boxes" in item
-        else None
-        for item in items
-    ]
     return {
         "images": images,
         "proposals": [item["proposals"] for item in items],
         "image_labels": torch.stack([item["labels"] for item in items]),
         "image_sizes": [tuple(item["image_size"]) for item in items],
         "original_sizes": [tuple(item["original_size"]) for item in items],
+        "targets": [item.get("targets", {"labels": item["labels"]}) for item in items],
         "image_ids": [item["image_id"] for item in items],
         "flipped": [item["flipped"] for item in items],
-        "annotations": annotations,
     }
 
 
@@ -82,6 +79,10 @@ def model_inputs(batch: dict, device: torch.device | str | None = None) -> dict:
         inputs["images"] = inputs["images"].to(device, non_blocking=True)
         inputs["proposals"] = [p.to(device, non_blocking=True) for p in inputs["proposals"]]
         inputs["image_labels"] = inputs["image_labels"].to(device, non_blocking=True)
+        inputs["targets"] = [
+            {name: value.to(device, non_blocking=True) for name, value in targets.items()}
+            for targets in inputs["targets"]
+        ]
     return inputs
 
 

@@ -3,10 +3,20 @@
 The geometry is torchvision's (``transforms.v2`` on ``tv_tensors``), so proposals follow the image
 through every step: resize scales x by ``w / W`` and y by ``h / H``; a horizontal flip maps
 ``x -> w - x`` (``x1' = w - x2``, ``x2' = w - x1``), which is its own inverse, so flipping detections back
-for test-time augmentation is the same call (``torchvision.transforms.v2.functional.horizontal_flip``).
+for test-time augmentation is the same call (``horizontal_flip``: torchvision's kernel for boxes).
 torchvision treats coordinates as continuous, while wsod's are 0-based inclusive (see
 ``wsod.data.box_formats``); on flipped images this places boxes one resized pixel to the right of the
 exact pixel mirror, well below what a stride-16 feature map resolves, and it cancels when flipping back.
+
+Every geometric field of the item's ``targets`` (``wsod.data.targets``: ``points``, ``*_points``,
+``boxes``, ``*_boxes``) moves with the image and the proposals, in ``DetectionTransform.__call__`` alone:
+one resize call takes (image, proposals, geometry) at once, and ``horizontal_flip`` flips each. Points
+keep the boxes' rule ``x -> w - x`` too: torchvision 0.29's keypoint kernel (``horizontal_flip_keypoints``
+in ``torchvision/transforms/v2/functional/_geometry.py``) mirrors pixel indices instead, ``x -> w - 1 - x``,
+one pixel left of the boxes, while its keypoint resize is the boxes' one. With the boxes' flip, points,
+boxes and proposals follow one affine map, so a point on a proposal's edge stays on it (a method matching
+points to proposals sees the same matches in a flipped image). A geometric step added later goes in the
+same place and keeps that rule (check torchvision's kernel for each kind, as for the flip).
 
 Training images may also get AlexNet-style PCA lighting noise (``Lighting``): a random colour offset
 added to the RGB 0-1 image before normalisation, where the reference code adds it (after ``ToTensor``,
@@ -17,6 +27,8 @@ Item keys added or replaced (the rest pass through; ``gt_*`` stay in original pi
     image       float32 (3, h, w), RGB scaled to 0-1, lighting noise added (training), then normalised
                 with ``mean`` / ``std``
     proposals   float32 (R, 4) in resized (and possibly flipped) pixels
+    targets     when the item has them: the same dict with plain tensors, geometry in resized (and
+                possibly flipped) pixels, the other fields unchanged
     image_size  (h, w) of the resized, unpadded image
     flipped     bool
     scale       h / H, the resize factor (the width factor differs only by rounding)
@@ -32,6 +44,8 @@ from torchvision import tv_tensors
 from torchvision.transforms import v2
 from torchvision.transforms.v2 import functional as F
 
+from wsod.data.targets import geometry_of, plain_targets
+
 __all__ = [
     "IMAGENET_MEAN",
     "IMAGENET_STD",
@@ -39,6 +53,7 @@ __all__ = [
     "IMAGENET_PCA_EIGVEC",
     "Lighting",
     "DetectionTransform",
+    "horizontal_flip",
     "train_transform",
     "test_transform",
 ]
@@ -100,7 +115,8 @@ class Lighting(torch.nn.Module):
 class DetectionTransform:
     """Resize the shorter side to a scale drawn uniformly from ``scales`` (longer side at most
     ``max_size``), flip horizontally with probability ``flip_prob``, convert to float RGB 0-1, add PCA
-    lighting noise of standard deviation ``lighting_std`` (``Lighting``; 0: none), normalise.
+    lighting noise of standard deviation ``lighting_std`` (``Lighting``; 0: none), normalise. The
+    proposals and every geometric field of ``targets`` move with the image (the module docstring).
 
     With one scale, ``flip_prob`` 0 or 1 and ``lighting_std`` 0 the transform is deterministic
     (``test_transform``). Randomness comes from torch's global generator, drawn in a fixed order (scale,
@@ -139,12 +155,19 @@ class DetectionTransform:
         )
 
     def __call__(self, item: dict) -> dict:
+        """The transformed item (a new dict; ``item`` and its ``targets`` are left as they were, so
+        test-time augmentation can transform one item once per view)."""
         original_height = item["image"].shape[-2]
-        image, proposals = self.resize(item["image"], item["proposals"])
+        targets = item.get("targets")
+        # Plain geometric fields (hand-built items) are taken to be on the image's canvas.
+        geometry = {} if targets is None else geometry_of(targets, tuple(item["image"].shape[-2:]))
+        # One call moves the image, the proposals and every geometric field (and draws one scale).
+        image, proposals, geometry = self.resize(item["image"], item["proposals"], geometry)
         # The flip is drawn here rather than by RandomHorizontalFlip because evaluation needs to know it.
         flipped = self.flip_prob > 0 and bool(torch.rand(()) < self.flip_prob)
         if flipped:
-            image, proposals = F.horizontal_flip(image), F.horizontal_flip(proposals)
+            image, proposals = horizontal_flip(image), horizontal_flip(proposals)
+            geometry = {name: horizontal_flip(value) for name, value in geometry.items()}
         image = self.to_float(image)
         height, width = image.shape[-2:]
         out = dict(item)
@@ -155,6 +178,8 @@ class DetectionTransform:
             flipped=flipped,
             scale=height / original_height,
         )
+        if targets is not None:
+            out["targets"] = plain_targets({**targets, **geometry})
         return out
 
     def __repr__(self) -> str:
@@ -163,6 +188,17 @@ class DetectionTransform:
             f"{name}(scales={self.scales}, max_size={self.max_size}, flip_prob={self.flip_prob},"
             f" lighting_std={self.lighting_std})"
         )
+
+
+def horizontal_flip(value: Tensor) -> Tensor:
+    """``value`` (a tv_tensor: image, boxes or points) mirrored left-right, every coordinate by the
+    boxes' rule ``x -> w - x`` (the module docstring says why points do not use torchvision's kernel).
+    Its own inverse, so test-time augmentation flips detections back with the same rule."""
+    if isinstance(value, tv_tensors.KeyPoints):
+        points = value.as_subclass(Tensor).clone()
+        points[..., 0] = value.canvas_size[1] - points[..., 0]
+        return tv_tensors.wrap(points, like=value)
+    return F.horizontal_flip(value)
 
 
 def train_transform(
