@@ -20,9 +20,10 @@ from tiny_run import TINY_TOY
 
 from wsod.build import build_model
 from wsod.config_checks import ConfigError
+from wsod.data.images import find_images
 from wsod.data.toy import TOY_CLASSES, ensure_toy_dataset
 from wsod.engine.checkpoint import save_checkpoint
-from wsod.predict_images import find_images, predict_from_config
+from wsod.run import predict_from_config
 
 ROOT = Path(__file__).resolve().parents[1]
 ENV = {**os.environ, "PYTHONUNBUFFERED": "1"}
@@ -180,3 +181,13 @@ def test_a_non_empty_output_folder_is_refused_unless_overwrite_and_never_holds_o
             _predict_config([*common[:1], f"output={tmp_path / 'in'}", inputs, "overwrite=true"])
         )
     assert sorted(p.name for p in (tmp_path / "in").iterdir()) == ["a.jpg", "b.jpg"]
+
+
+def test_predict_runs_beside_train_and_eval_and_its_old_import_path_still_works():
+    import wsod.predict_images as old
+    from wsod.data import images
+    from wsod.run import predict_from_config as beside_train
+
+    assert old.predict_from_config is beside_train is predict_from_config
+    assert old.find_images is images.find_images and old.ImageFiles is images.ImageFiles
+    assert old.IMAGE_EXTENSIONS == images.IMAGE_EXTENSIONS

@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 from hydra import compose, initialize_config_dir
+from omegaconf import OmegaConf
 from tiny_run import tiny_overrides
 
 import wsod.run as run
@@ -212,7 +213,8 @@ def test_method_oicr_switches_the_refinement_method_from_the_command_line(tiny_t
     _run(["tools/train.py", *overrides])
     assert "name: oicr" in (run_dir / "config.yaml").read_text()
     model, metadata = load_detector(run_dir / "model_final.pth")
-    assert metadata["method"] == {"name": "oicr", "fg_iou": 0.5}
+    method = {"name": "oicr", "num_students": 3, "fg_iou": 0.5, "first_student_loss_weight": 3.0}
+    assert metadata["method"] == method
     assert type(model.labeler).__name__ == "OICRLabeler"
 
 
@@ -231,3 +233,29 @@ def test_chunk_size_auto_from_the_command_line_logs_its_choice_and_its_checkpoin
     assert "MB per ROI in float32" in log and "sequential backprop in chunks of" in log
     model, metadata = load_detector(run_dir / "model_final.pth")
     assert metadata["model"]["chunk_size"] == "auto" and model.roi_head.memory_budget_gb == 0.025
+
+
+def test_every_entry_point_shares_one_setup_that_claims_the_directory_and_leaves_error_txt(tmp_path, caplog):
+    cfg = OmegaConf.create({"device": "cpu", "threads": 0})
+    seen = []
+
+    def fail(directory, cfg, device):
+        raise RuntimeError("boom")
+
+    def refuse(directory, cfg):
+        raise ValueError("not this one")
+
+    with pytest.raises(ValueError, match="not this one"):
+        run._run_in_directory(cfg, str(tmp_path / "refused"), "unused", fail, claim=refuse)
+    assert not (tmp_path / "refused").exists()  # refused before anything was written there
+    out = tmp_path / "out"
+    with pytest.raises(RuntimeError, match="boom"):
+        run._run_in_directory(cfg, str(out), "unused", fail)
+    assert (out / "error.txt").read_text().startswith("RuntimeError: boom")
+    result = run._run_in_directory(
+        cfg, str(out), "unused", lambda d, c, device: seen.append((d, device)) or "done",
+        claim=lambda directory, cfg: f"claimed {directory.name}",
+    )  # fmt: skip
+    assert result == "done" and seen == [(out, torch.device("cpu"))]
+    assert not (out / "error.txt").exists()  # the earlier attempt's marker goes with success
+    assert "claimed out" in (out / "log.txt").read_text()

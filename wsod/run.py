@@ -1,18 +1,44 @@
-"""What tools/train.py and tools/eval.py do, importable: a composed config in, a run directory out.
+"""What tools/train.py, tools/eval.py and tools/predict.py do, importable: a composed config in, a run
+directory out.
 
-Like ``build.py`` this file reads the config; everything it calls takes plain values.
+Like ``build.py`` this file reads the config; everything it calls takes plain values. The three entry
+points share one prologue and epilogue (``_run_in_directory``): the config is checked before anything
+runs; the device and CPU threads are set; the output directory is chosen (once, for every process) and
+claimed; the log goes to its ``log.txt``; a run that ends in an error leaves ``error.txt`` there, and one
+that succeeds removes an earlier attempt's.
+
+``predict_from_config`` (tools/predict.py, configs/predict.yaml): a checkpoint and some images in
+(``input=``: an image file, a folder or a glob pattern, ``wsod.data.images``), detections out. Proposals
+come from Selective Search on each image as it is loaded (OpenCV's "fast" strategy by default), or are
+looked up by ``file_name`` in a proposal file or store given as ``proposals=`` (``python
+tools/make_proposals.py folder --root R`` writes one whose ids are the file names under ``R/images``, so
+``input=R/images proposals=R/proposals/selective_search.proposals`` reuses it). The model is the
+checkpoint's (``wsod.build.load_detector``) with its test views (the ``data.test`` settings stored in the
+checkpoint) unless ``scales=`` says otherwise. Outputs under ``output=``: ``predictions.json``, a list of
+COCO results entries ``{"image_id", "file_name", "category_id", "category_name", "bbox": [x, y, w, h] in
+image pixels, "score"}`` with the detections scoring at least ``score_threshold``
+(``wsod.evaluation.coco.to_named_results``: integer image ids in sorted file-name order from 1, category
+id = class index + 1); ``<file_name>.png`` per image (suffix replaced; sub-folders kept) with those
+detections drawn and labelled "class score"; ``log.txt``. An output folder that is not empty is refused
+(an earlier prediction's PNGs would stand beside the new json); ``overwrite=true`` deletes the earlier
+prediction first, and a folder holding files that no prediction writes (the input images, say) is
+refused either way.
 """
 
 from __future__ import annotations
 
 import logging
+import os
 import shlex
 import sys
 import time
+from collections import Counter
+from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
+import torchvision
 from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig, OmegaConf
 
@@ -29,9 +55,19 @@ from wsod.build import (
     resolve_device,
 )
 from wsod.cli import error_message, setup_logging, write_failure
-from wsod.config_checks import EVAL_RULES, TRAIN_RULES, ConfigError, check_config, resume_changes
+from wsod.config_checks import (
+    EVAL_RULES,
+    PREDICT_RULES,
+    TRAIN_RULES,
+    ConfigError,
+    check_config,
+    resume_changes,
+)
+from wsod.data.dataset import load_image
 from wsod.data.folder import SPLIT_SEED, TEST_FRACTION, has_split_column, write_split_csv
+from wsod.data.images import ImageFiles, check_readable, find_images
 from wsod.data.loader import build_train_loader, infinite_batches
+from wsod.data.proposals import load_proposals
 from wsod.distributed import (
     broadcast_object,
     cleanup_distributed,
@@ -40,14 +76,24 @@ from wsod.distributed import (
     main_process_first,
     setup_distributed,
 )
-from wsod.engine.checkpoint import latest_valid_checkpoint, list_checkpoints, load_checkpoint, save_checkpoint
-from wsod.engine.evaluate import write_evaluation
+from wsod.engine.checkpoint import (
+    Checkpointer,
+    TrainState,
+    latest_valid_checkpoint,
+    list_checkpoints,
+    load_checkpoint,
+)
+from wsod.engine.evaluate import Evaluation, Evaluator, write_evaluation
+from wsod.engine.inference import predict
 from wsod.engine.run_log import RunLog
 from wsod.engine.train import train
+from wsod.engine.visualize import draw_detections
+from wsod.evaluation.coco import save_coco_results, to_named_results
 
 __all__ = [
     "train_from_config",
     "evaluate_from_config",
+    "predict_from_config",
     "FinalEvaluationError",
     "setup_distributed",
     "setup_logging",
@@ -55,6 +101,7 @@ __all__ = [
 ]
 
 logger = logging.getLogger("wsod")
+T = TypeVar("T")
 
 
 def choose_output_dir(output_dir: str | None, parent: str) -> Path:
@@ -64,6 +111,42 @@ def choose_output_dir(output_dir: str | None, parent: str) -> Path:
     if output_dir is None and is_main_process():
         output_dir = str(Path(parent) / time.strftime("%Y-%m-%d_%H-%M-%S"))
     return Path(broadcast_object(output_dir))
+
+
+def _run_in_directory(
+    cfg: DictConfig,
+    output_dir: str | None,
+    parent: str,
+    body: Callable[[Path, DictConfig, torch.device], T],
+    claim: Callable[[Path, DictConfig], str | None] | None = None,
+) -> T:
+    """``body(directory, cfg, device)`` with what every entry point does around it (the module docstring).
+
+    ``claim(directory, cfg)`` runs before anything is written there: it refuses a directory this run must
+    not write to, or prepares it, and returns a line to log once logging has started (or None).
+    """
+    main = is_main_process()
+    device = resolve_device(cfg.device)
+    if device.type == "cpu" and cfg.threads:
+        torch.set_num_threads(cfg.threads)
+    directory = choose_output_dir(output_dir, parent)
+    note = claim(directory, cfg) if claim is not None else None
+    directory.mkdir(parents=True, exist_ok=True)
+    setup_logging(directory, main)
+    if note:
+        logger.info(note)
+    try:
+        result = body(directory, cfg, device)
+    except Exception as error:
+        if main:
+            write_failure(directory, error)
+        raise
+    if main:
+        (directory / "error.txt").unlink(missing_ok=True)  # from an earlier attempt that this one redid
+    return result
+
+
+# -- train -------------------------------------------------------------------------------------------
 
 
 def train_from_config(cfg: DictConfig) -> dict[str, Any]:
@@ -81,29 +164,17 @@ def train_from_config(cfg: DictConfig) -> dict[str, Any]:
 
 
 def _train(cfg: DictConfig) -> dict[str, Any]:
-    main = is_main_process()
-    device = resolve_device(cfg.device)
-    if device.type == "cpu" and cfg.threads:
-        torch.set_num_threads(cfg.threads)
     if cfg.resume and cfg.output_dir is None:
         raise ConfigError("resume=true needs the run to continue: output_dir=runs/<the run's directory>")
-    run_dir = choose_output_dir(cfg.output_dir, "runs")
+    return _run_in_directory(cfg, cfg.output_dir, "runs", _train_in, claim=_refuse_another_run)
+
+
+def _refuse_another_run(run_dir: Path, cfg: DictConfig) -> None:
     if not cfg.resume and (list_checkpoints(run_dir) or (run_dir / "model_final.pth").exists()):
         raise ConfigError(
             f"{run_dir} already holds a run (checkpoints): resume=true continues it; another output_dir"
             " starts a new one"
         )
-    run_dir.mkdir(parents=True, exist_ok=True)
-    setup_logging(run_dir, main)
-    try:
-        summary = _train_in(run_dir, cfg, device)
-    except Exception as error:
-        if main:
-            write_failure(run_dir, error)
-        raise
-    if main:
-        (run_dir / "error.txt").unlink(missing_ok=True)  # from an earlier attempt that this one resumed
-    return summary
 
 
 def _train_in(run_dir: Path, cfg: DictConfig, device: torch.device) -> dict[str, Any]:
@@ -113,15 +184,16 @@ def _train_in(run_dir: Path, cfg: DictConfig, device: torch.device) -> dict[str,
     if main:
         logger.info("command: %s", " ".join(sys.argv))
         logger.info("run directory %s, device %s, %d process(es)", run_dir, device, get_world_size())
+    resumed_at = None
     if resume_from is None:
         if cfg.resume:
             logger.info("resume requested but no checkpoint in %s: starting from scratch", run_dir)
         config_file = run_dir / "config.yaml"
     else:
         path, checkpoint = resume_from
-        iteration = checkpoint["trainer"]["iteration"]
+        resumed_at = TrainState.from_dict(checkpoint["trainer"]).iteration
         _log_resume_changes(checkpoint["metadata"].get("config"), resolved, path)
-        config_file = run_dir / f"config_resume_{iteration:07d}.yaml"  # the original config.yaml stays
+        config_file = run_dir / f"config_resume_{resumed_at:07d}.yaml"  # the original config.yaml stays
     if main:
         config_file.write_text(OmegaConf.to_yaml(cfg, resolve=True))
         if cfg.data.kind == "folder":  # a labels.csv without a split column: the split made, to see and keep
@@ -138,8 +210,9 @@ def _train_in(run_dir: Path, cfg: DictConfig, device: torch.device) -> dict[str,
         model = build_model(cfg.model, train_set.num_classes, cfg.method).to(device)
     optimizer = build_optimizer(cfg.solver, model)
     scheduler = build_scheduler(cfg.solver, optimizer)
-    adversary = build_adversary(cfg.solver, model, device)
-    balancer = build_balancer(cfg.solver, model, device)
+    # In this order: the adversary's update runs before GradNorm's in each step.
+    extras = (build_adversary(cfg.solver, model, device), build_balancer(cfg.solver, model, device))
+    companions = [companion for companion in extras if companion is not None]
     wrapped = model
     if get_world_size() > 1:
         wrapped = torch.nn.parallel.DistributedDataParallel(
@@ -155,35 +228,46 @@ def _train_in(run_dir: Path, cfg: DictConfig, device: torch.device) -> dict[str,
         "classes": list(train_set.classes),
         "config": resolved,  # what a resume compares its own config with
     }
-    summary = train(
-        wrapped, optimizer, scheduler, lambda start: infinite_batches(loader, start),
-        max_iter=cfg.solver.max_iter, run_dir=run_dir, device=device, accumulation=cfg.solver.accumulation,
-        amp=cfg.solver.amp, resume_from=resume_from, checkpoint_period=cfg.checkpoint_period,
-        keep_checkpoints=cfg.keep_checkpoints, log_period=cfg.log_period, eval_period=cfg.eval_period,
-        evaluator=evaluator, adversary=adversary, balancer=balancer, max_nonfinite=cfg.max_nonfinite,
-        progress=cfg.progress, metadata=metadata,
-    )  # fmt: skip
-
-    # model_final.pth is on disk: a failing evaluation loses no work, and says how to redo it alone.
-    model.eval()
-    try:
-        with torch.no_grad():
-            final = evaluator(model, random_baseline=cfg.random_baseline)
-    except Exception as error:
-        raise FinalEvaluationError(
-            f"the final evaluation failed ({error_message(error)}). The trained weights are safe in"
-            f" {run_dir / 'model_final.pth'}; evaluate them alone with: {_eval_command(run_dir)}"
-        ) from error
-    write_evaluation(final, evaluator.dataset, run_dir / "eval")
-    with RunLog(run_dir, enabled=main) as run_log:
+    checkpointer = Checkpointer(
+        run_dir, period=cfg.checkpoint_period, keep=cfg.keep_checkpoints, metadata=metadata, enabled=main
+    )
+    # One log for the run: on a resume, what the interrupted run logged after the checkpoint is dropped.
+    with RunLog(run_dir, enabled=main, purge_after=resumed_at) as run_log:
+        summary = train(
+            wrapped, optimizer, scheduler, lambda start: infinite_batches(loader, start),
+            max_iter=cfg.solver.max_iter, device=device, checkpointer=checkpointer, run_log=run_log,
+            accumulation=cfg.solver.accumulation, amp=cfg.solver.amp, resume_from=resume_from,
+            log_period=cfg.log_period, evaluator=evaluator, eval_period=cfg.eval_period,
+            companions=companions, max_nonfinite=cfg.max_nonfinite, progress=cfg.progress,
+        )  # fmt: skip
+        final = _final_evaluation(model, evaluator, run_dir, cfg.random_baseline)
+        write_evaluation(final, evaluator.dataset, run_dir / "eval")
         run_log.evaluation(summary["iteration"], final)
-    _keep_if_best(run_dir, summary, final.metrics.get(evaluator.primary_metric), evaluator.primary_metric)
+    metric = evaluator.primary_metric
+    checkpointer.offer_best(metric, final.metrics.get(metric), summary["iteration"])  # model_final's weights
+    summary["best"] = checkpointer.best
     summary["final"] = {**final.metrics, **final.extra}
     return summary
 
 
 class FinalEvaluationError(RuntimeError):
     """Training finished and its weights are saved, but the evaluation after it failed."""
+
+
+def _final_evaluation(
+    model: torch.nn.Module, evaluator: Evaluator, run_dir: Path, random_baseline: bool
+) -> Evaluation:
+    """The evaluation after training. model_final.pth is on disk by then: a failing evaluation loses no
+    work, and its message says how to redo it alone."""
+    model.eval()
+    try:
+        with torch.no_grad():
+            return evaluator(model, random_baseline=random_baseline)
+    except Exception as error:
+        raise FinalEvaluationError(
+            f"the final evaluation failed ({error_message(error)}). The trained weights are safe in"
+            f" {run_dir / 'model_final.pth'}; evaluate them alone with: {_eval_command(run_dir)}"
+        ) from error
 
 
 def _log_resume_changes(saved: dict[str, Any] | None, new: dict[str, Any], path: Path) -> None:
@@ -208,39 +292,7 @@ def _eval_command(run_dir: Path) -> str:
     return shlex.join(words)  # pasteable: an override holding spaces (a path, a list) stays one word
 
 
-def _check_seeded_split(cfg: DictConfig, trained: dict[str, Any] | None) -> None:
-    """Refuse to evaluate on a seeded split (a folder whose labels.csv has no split column) other than the
-    one the checkpoint was trained with: its test images would include training images, silently."""
-    if not trained or trained.get("kind") != "folder" or cfg.data.kind != "folder":
-        return
-    if Path(trained["root"]).resolve() != Path(cfg.data.root).resolve() or has_split_column(cfg.data.root):
-        return
-    keys = ("split_seed", "test_fraction")
-    defaults = {"split_seed": SPLIT_SEED, "test_fraction": TEST_FRACTION}
-    saved = {k: trained.get(k, defaults[k]) for k in keys}
-    given = {k: cfg.data.get(k, defaults[k]) for k in keys}
-    if saved != given:
-        labels = Path(cfg.data.root) / "labels.csv"
-        raise ConfigError(
-            f"{cfg.checkpoint} was trained on the seeded split of {labels} (no split column) made with"
-            f" {_words(saved)}; this evaluation's {_words(given)} makes another, whose test images include"
-            f" training images: evaluate with {_words(saved)}"
-        )
-
-
-def _words(values: dict[str, Any]) -> str:
-    return " ".join(f"data.{k}={v}" for k, v in values.items())
-
-
-def _keep_if_best(run_dir: Path, summary: dict[str, Any], value: float | None, metric: str) -> None:
-    """Make the final model ``model_best.pth`` when its evaluation beats every earlier one."""
-    best = summary.get("best")
-    if value is None or (best is not None and value <= best["value"]):
-        return
-    summary["best"] = {"value": value, "iteration": summary["iteration"], "metric": metric}
-    if is_main_process():
-        final = load_checkpoint(run_dir / "model_final.pth")
-        save_checkpoint({**final, "best": summary["best"]}, run_dir / "model_best.pth")
+# -- evaluate ----------------------------------------------------------------------------------------
 
 
 def evaluate_from_config(cfg: DictConfig) -> dict[str, float]:
@@ -255,18 +307,7 @@ def evaluate_from_config(cfg: DictConfig) -> dict[str, float]:
 
 
 def _evaluate(cfg: DictConfig) -> dict[str, float]:
-    device = resolve_device(cfg.device)
-    if device.type == "cpu" and cfg.threads:
-        torch.set_num_threads(cfg.threads)
-    out_dir = choose_output_dir(cfg.output_dir, "runs/eval")
-    out_dir.mkdir(parents=True, exist_ok=True)
-    setup_logging(out_dir, is_main_process())
-    try:
-        return _evaluate_in(out_dir, cfg, device)
-    except Exception as error:
-        if is_main_process():
-            write_failure(out_dir, error)
-        raise
+    return _run_in_directory(cfg, cfg.output_dir, "runs/eval", _evaluate_in)
 
 
 def _evaluate_in(out_dir: Path, cfg: DictConfig, device: torch.device) -> dict[str, float]:
@@ -293,3 +334,130 @@ def _evaluate_in(out_dir: Path, cfg: DictConfig, device: torch.device) -> dict[s
             result = evaluator(model, random_baseline=cfg.random_baseline)
     write_evaluation(result, test_set, out_dir)
     return {**result.metrics, **result.extra}
+
+
+def _check_seeded_split(cfg: DictConfig, trained: dict[str, Any] | None) -> None:
+    """Refuse to evaluate on a seeded split (a folder whose labels.csv has no split column) other than the
+    one the checkpoint was trained with: its test images would include training images, silently."""
+    if not trained or trained.get("kind") != "folder" or cfg.data.kind != "folder":
+        return
+    if Path(trained["root"]).resolve() != Path(cfg.data.root).resolve() or has_split_column(cfg.data.root):
+        return
+    keys = ("split_seed", "test_fraction")
+    defaults = {"split_seed": SPLIT_SEED, "test_fraction": TEST_FRACTION}
+    saved = {k: trained.get(k, defaults[k]) for k in keys}
+    given = {k: cfg.data.get(k, defaults[k]) for k in keys}
+    if saved != given:
+        labels = Path(cfg.data.root) / "labels.csv"
+        raise ConfigError(
+            f"{cfg.checkpoint} was trained on the seeded split of {labels} (no split column) made with"
+            f" {_words(saved)}; this evaluation's {_words(given)} makes another, whose test images include"
+            f" training images: evaluate with {_words(saved)}"
+        )
+
+
+def _words(values: dict[str, Any]) -> str:
+    return " ".join(f"data.{k}={v}" for k, v in values.items())
+
+
+# -- predict -----------------------------------------------------------------------------------------
+
+# What a prediction writes into its output folder besides one PNG per image.
+PREDICTION_FILES = ("predictions.json", "log.txt", "error.txt")
+
+
+def predict_from_config(cfg: DictConfig) -> dict[str, Any]:
+    """Predict ``cfg.input`` with ``cfg.checkpoint`` (configs/predict.yaml; the module docstring says
+    what is written); returns a summary. One process: no process group is joined."""
+    check_config(cfg, PREDICT_RULES)
+    return _run_in_directory(cfg, cfg.output, "runs/predict", _predict_in, claim=_clear_output)
+
+
+def _clear_output(out_dir: Path, cfg: DictConfig) -> str | None:
+    """Refuse a non-empty output folder (an earlier prediction's PNGs would stand beside the new
+    predictions.json, for images this run may not have); with ``overwrite`` delete what a prediction
+    writes there first, and say so. A folder holding anything else (the input images themselves, say)
+    is never emptied, overwrite or not: deleting a user's files is not ours."""
+    if not out_dir.is_dir() or not any(out_dir.iterdir()):
+        return None
+    own = [p for p in out_dir.rglob("*") if p.is_file()]
+    inputs = find_images(cfg.input)[0]
+    inside = {os.path.realpath(p) for p in inputs} & {os.path.realpath(p) for p in own}
+    foreign = [p for p in own if not _is_prediction_output(p)]
+    if inside or foreign:
+        example = next(iter(inside), None) or foreign[0]
+        raise ConfigError(
+            f"output={out_dir} holds files that tools/predict.py did not write (e.g. {example}); give an"
+            " empty or new folder as output="
+        )
+    if not cfg.overwrite:
+        raise ConfigError(
+            f"output={out_dir} already holds a prediction ({len(own)} files): overwrite=true replaces it,"
+            " another output= keeps it"
+        )
+    for path in own:
+        path.unlink()
+    for folder in sorted((p for p in out_dir.rglob("*") if p.is_dir()), reverse=True):
+        if not any(folder.iterdir()):  # sub-folders of PNGs, deepest first
+            folder.rmdir()
+    return f"overwrite=true: deleted the {len(own)} files of the earlier prediction in {out_dir}"
+
+
+def _is_prediction_output(path: Path) -> bool:
+    return path.name in PREDICTION_FILES or path.suffix.lower() == ".png"
+
+
+def _predict_in(out_dir: Path, cfg: DictConfig, device: torch.device) -> dict[str, Any]:
+    files, names = find_images(cfg.input)
+    check_readable(files)
+    model, metadata = load_detector(cfg.checkpoint, device)
+    classes = list(metadata["classes"])
+    scales, max_size, flip, max_proposals = _views(cfg, metadata)
+    proposals = None if cfg.proposals is None else load_proposals(cfg.proposals)
+    source = f"proposals {cfg.proposals}" if cfg.proposals else f"Selective Search ({cfg.selective_search})"
+    logger.info(
+        "predicting %d images of %s with %s (%d classes), views %s%s, %s",
+        len(files), cfg.input, cfg.checkpoint, len(classes), scales, " + flips" if flip else "", source,
+    )  # fmt: skip
+    images = ImageFiles(
+        files, names, len(classes), proposals, mode=cfg.selective_search, max_proposals=max_proposals
+    )
+    with torch.no_grad():
+        detections = predict(
+            model, images, scales=scales, max_size=max_size, flip=flip, num_workers=cfg.num_workers,
+            device=device, progress=cfg.progress,
+        )  # fmt: skip
+    kept = []
+    for det in detections:
+        keep = det["scores"] >= cfg.score_threshold
+        kept.append({key: det[key][keep] for key in ("boxes", "scores", "labels")})
+    results = to_named_results(kept, names, classes)
+    save_coco_results(results, out_dir / "predictions.json")
+    for path, name, det in zip(files, _png_names(names), kept, strict=True):
+        drawn = draw_detections(load_image(path), det, classes)
+        target = out_dir / name
+        target.parent.mkdir(parents=True, exist_ok=True)
+        torchvision.io.write_png(drawn, str(target))
+    logger.info(
+        "%d detections scoring >= %g in %d images: %s and one PNG per image in %s",
+        len(results), cfg.score_threshold, len(files), out_dir / "predictions.json", out_dir,
+    )  # fmt: skip
+    return {"images": len(files), "detections": len(results), "output": str(out_dir)}
+
+
+def _views(cfg: DictConfig, metadata: dict[str, Any]) -> tuple[list[int], int | None, bool, int | None]:
+    """(scales, max_size, flip, max_proposals): ``cfg``'s where given, else the checkpoint's test settings."""
+    test = ((metadata.get("config") or {}).get("data") or {}).get("test") or {}
+    if cfg.scales is None and "scales" not in test:
+        raise ValueError(f"{cfg.checkpoint} does not record its test views: give them, e.g. scales=[600]")
+    scales = list(cfg.scales) if cfg.scales is not None else list(test["scales"])
+    max_proposals = cfg.max_proposals if cfg.max_proposals is not None else test.get("max_proposals")
+    return scales, test.get("max_size"), bool(test.get("flip", False)), max_proposals
+
+
+def _png_names(names: Sequence[str]) -> list[str]:
+    """``a/b.jpg`` -> ``a/b.png``; where two inputs would share a name (``b.jpg``, ``b.png``), both
+    keep their suffix (``b.jpg.png``)."""
+    plain = [str(Path(n).with_suffix(".png")) for n in names]
+    counts = Counter(plain)
+    return [p if counts[p] == 1 else f"{n}.png" for p, n in zip(plain, names, strict=True)]

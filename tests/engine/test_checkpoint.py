@@ -1,4 +1,5 @@
-"""Atomic checkpoints, recovery from a truncated one, RNG states across device layouts."""
+"""Atomic checkpoints, recovery from a truncated one, RNG states across device layouts, and the
+Checkpointer's files: rotation, the best model from periodic and final evaluations, the stored counters."""
 
 from __future__ import annotations
 
@@ -8,6 +9,8 @@ import pytest
 import torch
 
 from wsod.engine.checkpoint import (
+    Checkpointer,
+    TrainState,
     latest_valid_checkpoint,
     list_checkpoints,
     load_checkpoint,
@@ -61,3 +64,76 @@ def test_rng_state_restores_from_another_device_layout(tmp_path, monkeypatch, ca
     assert restored[0][0].device.type == "cpu" and restored[0][0].dtype == torch.uint8
     assert torch.equal(restored[0][0], state["cuda"][0])
     assert "3 CUDA generator state(s), this process sees 1 GPU(s)" in caplog.text
+
+
+def _payload(weight: float):
+    return lambda: {"model": {"w": torch.full((2,), weight)}}
+
+
+def test_periodic_checkpoints_rotate_and_a_forced_one_is_not_saved_twice(tmp_path, monkeypatch):
+    checkpointer = Checkpointer(tmp_path, period=2, keep=2, metadata={"classes": ["a"]})
+    saves = []
+    real = save_checkpoint
+    monkeypatch.setattr("wsod.engine.checkpoint.save_checkpoint", lambda s, p: saves.append(p) or real(s, p))
+    state = TrainState()
+    for iteration in range(1, 8):
+        state.iteration = iteration
+        checkpointer.periodic(state, _payload(iteration))
+    assert checkpointer.periodic(state, _payload(7), force=True) == tmp_path / "model_0000007.pth"
+    state.iteration = 8
+    checkpointer.periodic(state, _payload(8))
+    assert checkpointer.periodic(state, _payload(8), force=True) is None  # the period saved it already
+    assert [p.name for p in saves] == [f"model_{i:07d}.pth" for i in (2, 4, 6, 7, 8)]
+    assert [p.name for p in list_checkpoints(tmp_path)] == ["model_0000008.pth", "model_0000007.pth"]
+    stored = load_checkpoint(tmp_path / "model_0000008.pth")
+    assert stored["trainer"] == {
+        "iteration": 8, "skipped_steps": 0, "last_finite": None, "last_eval": None, "best": None
+    }  # fmt: skip
+    assert stored["metadata"] == {"classes": ["a"]}
+    assert torch.equal(stored["model"]["w"], torch.full((2,), 8.0))
+
+
+def test_model_best_is_replaced_only_by_a_higher_value_from_periodic_or_final_evaluations(tmp_path):
+    checkpointer = Checkpointer(tmp_path, period=0)
+    state = TrainState(iteration=2)
+    periodic = lambda weight: lambda: checkpointer.checkpoint(state, _payload(weight)())  # noqa: E731
+    assert checkpointer.offer_best("mAP", 0.5, 2, periodic(2.0))
+    assert not checkpointer.offer_best("mAP", 0.5, 3, periodic(3.0))  # equal: not better
+    assert not checkpointer.offer_best("mAP", None, 3, periodic(3.0))  # undefined: never
+    best = load_checkpoint(tmp_path / "model_best.pth")
+    assert best["best"] == {"value": 0.5, "iteration": 2, "metric": "mAP"}
+    assert best["trainer"]["best"] == best["best"]  # a resume from model_best.pth knows it too
+    assert torch.equal(best["model"]["w"], torch.full((2,), 2.0))
+
+    checkpointer.final({"w": torch.full((2,), 4.0)}, 4)
+    assert checkpointer.offer_best("mAP", 0.7, 4)  # the final model, without reading model_final.pth
+    best = load_checkpoint(tmp_path / "model_best.pth")
+    assert best["best"] == {"value": 0.7, "iteration": 4, "metric": "mAP"} and best["iteration"] == 4
+    assert torch.equal(best["model"]["w"], load_checkpoint(tmp_path / "model_final.pth")["model"]["w"])
+
+
+def test_a_resume_keeps_the_better_of_the_checkpoints_best_and_model_best(tmp_path):
+    recorded = {"value": 0.9, "iteration": 3, "metric": "mAP"}
+    save_checkpoint({"model": {}, "best": recorded}, tmp_path / "model_best.pth")
+    older = {"iteration": 2, "skipped_steps": 1, "best": {"value": 0.4, "iteration": 2, "metric": "mAP"},
+             "last_eval": {"mAP": 0.4}, "last_finite": 2}  # fmt: skip
+    checkpointer = Checkpointer(tmp_path)
+    state = checkpointer.resume({"trainer": older})  # a trainer dict as written before TrainState
+    assert state == TrainState(iteration=2, skipped_steps=1, last_finite=2, last_eval={"mAP": 0.4})
+    assert checkpointer.best == recorded
+    assert not checkpointer.offer_best("mAP", 0.8, 4, lambda: {})
+
+    (tmp_path / "model_best.pth").write_bytes(b"truncated")  # unreadable: the checkpoint's record counts
+    again = Checkpointer(tmp_path)
+    again.resume({"trainer": older})
+    assert again.best == older["best"]
+
+
+def test_another_process_writes_nothing_but_keeps_the_same_best_record(tmp_path):
+    checkpointer = Checkpointer(tmp_path / "run", period=1, enabled=False)
+    state = TrainState(iteration=1)
+    assert checkpointer.periodic(state, _payload(1), force=True) is None
+    checkpointer.final({"w": torch.zeros(2)}, 1)
+    assert checkpointer.offer_best("mAP", 0.3, 1)
+    assert checkpointer.best == {"value": 0.3, "iteration": 1, "metric": "mAP"}
+    assert not (tmp_path / "run").exists()

@@ -1,17 +1,21 @@
 """The training loop's own rules: non-finite steps are skipped without a trace and abort cleanly; a
-resume places the schedule at the restored iteration and logs each iteration once. (The end-to-end
-runs through tools/train.py are in tests/test_run.py.)"""
+resume places the schedule at the restored iteration and logs each iteration once; companions are
+called at fixed points of a step; periodic evaluations keep the best checkpoint. (The end-to-end runs
+through tools/train.py are in tests/test_run.py.)"""
 
 from __future__ import annotations
 
 import itertools
 import json
+from types import SimpleNamespace
 
 import pytest
 import torch
 from torch import nn
 
-from wsod.engine.checkpoint import latest_valid_checkpoint
+from wsod.engine.checkpoint import Checkpointer, latest_valid_checkpoint
+from wsod.engine.companion import Companion
+from wsod.engine.run_log import RunLog
 from wsod.engine.solver import build_optimizer, build_scheduler
 from wsod.engine.train import NonFiniteLossError, train
 
@@ -26,7 +30,7 @@ class _Tiny(nn.Module):
         self.fc = nn.Linear(3, 1)
         self.poisoned, self.calls, self.scale = set(poisoned), 0, scale
 
-    def forward(self, images, proposals, image_labels, image_sizes, original_sizes):
+    def forward(self, images, proposals, image_labels, image_sizes, original_sizes, targets):
         self.calls += 1
         loss = self.scale * self.fc(self.norm(images.flatten(1)[:, :3])).pow(2).mean()
         return {"loss_a": loss * float("nan") if self.calls in self.poisoned else loss}
@@ -42,6 +46,7 @@ def _batches(start):
             "image_labels": torch.ones(4, 2),
             "image_sizes": [(1, 1)] * 4,
             "original_sizes": [(1, 1)] * 4,
+            "targets": [{"labels": torch.ones(2)} for _ in range(4)],
         }
 
 
@@ -52,11 +57,16 @@ def _setup(poisoned=(), lr=0.1, scale=1.0):
     return model, optimizer, build_scheduler(optimizer, milestones=[4], warmup_iters=2)
 
 
-def _run(model, optimizer, scheduler, run_dir, max_iter, **options):
-    return train(
-        model, optimizer, scheduler, _batches, max_iter=max_iter, run_dir=run_dir,
-        device=torch.device("cpu"), progress=False, log_period=1, **options,
-    )  # fmt: skip
+def _run(
+    model, optimizer, scheduler, run_dir, max_iter, checkpoint_period=1000, keep_checkpoints=3, **options
+):
+    checkpointer = Checkpointer(run_dir, period=checkpoint_period, keep=keep_checkpoints)
+    resume = options.get("resume_from")
+    with RunLog(run_dir, purge_after=resume[1]["trainer"]["iteration"] if resume else None) as run_log:
+        return train(
+            model, optimizer, scheduler, _batches, max_iter=max_iter, device=torch.device("cpu"),
+            checkpointer=checkpointer, run_log=run_log, progress=False, log_period=1, **options,
+        )  # fmt: skip
 
 
 def _state(model, optimizer):
@@ -108,7 +118,7 @@ class _Overflowing(nn.Module):
         super().__init__()
         self.fc0, self.norm, self.fc = nn.Linear(3, 3), nn.BatchNorm1d(3), nn.Linear(3, 1)
 
-    def forward(self, images, proposals, image_labels, image_sizes, original_sizes):
+    def forward(self, images, proposals, image_labels, image_sizes, original_sizes, targets):
         # tanh bounds the loss whatever the weights, as the detector's softmax and BCE losses do.
         return {"loss_a": self.fc(self.norm(self.fc0(images.flatten(1)[:, :3]))).tanh().pow(2).mean()}
 
@@ -181,3 +191,137 @@ def test_resume_after_a_momentum_rescale_equals_the_uninterrupted_run(tmp_path):
         resumed[0].state_dict().items(), straight[0].state_dict().values(), strict=True
     ):
         assert torch.equal(ours, theirs), name
+
+
+class _Recorder(Companion):
+    """Writes down each call of the loop, in order, with what it was given."""
+
+    name = "recorder"
+    needs_inputs = True
+
+    def __init__(self, calls):
+        self.calls, self.steps = calls, 0
+
+    def after_step(self, inputs):
+        self.steps += 1
+        self.calls.append(("after_step", len(inputs)))
+        return {"recorded_steps": float(self.steps)}
+
+    def skip(self):
+        self.calls.append(("skip",))
+
+    def log_values(self):
+        self.calls.append(("log_values",))
+        return {"recorder_value": 1.5}
+
+    def state_dict(self):
+        return {"steps": self.steps}
+
+    def load_state_dict(self, state, iteration):
+        self.calls.append(("load_state_dict", state, iteration))
+        self.steps = state["steps"]
+
+
+class _Halving(Companion):
+    """Combines the losses: half their sum, measured at the features the forward returns."""
+
+    name = "halving"
+    combines_losses = True
+
+    def combine(self, losses, roi_features):
+        assert roi_features.requires_grad
+        return sum(losses.values()) / 2
+
+
+class _TinyWithFeatures(_Tiny):
+    def forward(self, images, proposals, image_labels, image_sizes, original_sizes, targets, **options):
+        losses = super().forward(images, proposals, image_labels, image_sizes, original_sizes, targets)
+        features = self.fc.weight * 1.0
+        return (losses, features) if options.get("return_features") else losses
+
+
+def test_companions_are_called_at_fixed_points_of_each_step_and_checkpointed_by_name(tmp_path):
+    calls = []
+    model, optimizer, scheduler = _setup(poisoned={3})  # the first batch of step 2
+    _run(
+        model, optimizer, scheduler, tmp_path, max_iter=3, accumulation=2, checkpoint_period=2,
+        companions=[_Recorder(calls)],
+    )  # fmt: skip
+    # Step 1 applied (both of its batches kept for it), step 2 skipped, step 3 applied.
+    assert calls == [
+        ("after_step", 2), ("log_values",), ("skip",), ("log_values",), ("after_step", 2), ("log_values",)
+    ]  # fmt: skip
+    rows = _rows(tmp_path)
+    assert [r.get("recorded_steps") for r in rows] == [1.0, None, 2.0]
+    assert all(r["recorder_value"] == 1.5 for r in rows)
+    two = torch.load(tmp_path / "model_0000002.pth", weights_only=False)
+    assert two["recorder"] == {"steps": 1}
+
+    (tmp_path / "model_0000003.pth").unlink()
+    resumed = []
+    _run(
+        *_setup(), tmp_path, max_iter=3, accumulation=2, companions=[_Recorder(resumed)],
+        resume_from=latest_valid_checkpoint(tmp_path),
+    )  # fmt: skip
+    assert resumed[0] == ("load_state_dict", {"steps": 1}, 2) and resumed[1] == ("after_step", 2)
+
+
+def test_the_companion_that_combines_the_losses_makes_the_total_that_is_backpropagated(tmp_path):
+    straight = _setup()
+    _run(*straight, tmp_path / "plain", max_iter=1)
+    torch.manual_seed(0)
+    model = _TinyWithFeatures()
+    optimizer = build_optimizer(model, name="sgd", lr=0.2, momentum=0.9, weight_decay=0.0)
+    scheduler = build_scheduler(optimizer, milestones=[4], warmup_iters=2)
+    _run(model, optimizer, scheduler, tmp_path / "halved", max_iter=1, companions=[_Halving()])
+    # Half the loss at twice the learning rate: the same first SGD step.
+    theirs = straight[0].state_dict()
+    for name, ours in model.state_dict().items():
+        torch.testing.assert_close(ours, theirs[name], msg=name)
+
+
+def test_two_companions_that_combine_the_losses_are_refused(tmp_path):
+    class _Other(_Halving):
+        name = "other"
+
+    with pytest.raises(ValueError, match="halving, other all combine the losses; pass at most one"):
+        _run(*_setup(), tmp_path, max_iter=1, companions=[_Halving(), _Other()])
+
+
+def test_a_resume_with_a_run_log_that_keeps_the_later_rows_is_refused(tmp_path):
+    _run(*_setup(), tmp_path, max_iter=2, checkpoint_period=2)
+    found = latest_valid_checkpoint(tmp_path)
+    with RunLog(tmp_path) as run_log, pytest.raises(ValueError, match="open it with purge_after=2"):
+        train(
+            *_setup(), _batches, max_iter=3, device=torch.device("cpu"), checkpointer=Checkpointer(tmp_path),
+            run_log=run_log, resume_from=found, progress=False,
+        )  # fmt: skip
+
+
+class _Scores:
+    """An evaluator whose primary metric takes the given values, one per call."""
+
+    primary_metric = "mAP"
+
+    def __init__(self, values):
+        self.values = list(values)
+
+    def __call__(self, model):
+        value = self.values.pop(0)
+        return SimpleNamespace(metrics={"mAP": value}, values={"mAP": value}, previews={})
+
+
+def test_periodic_evaluations_keep_the_best_checkpoint_and_the_final_one_comes_last(tmp_path):
+    model, optimizer, scheduler = _setup()
+    summary = _run(
+        model, optimizer, scheduler, tmp_path, max_iter=4, eval_period=1, evaluator=_Scores([0.1, 0.3, 0.2])
+    )
+    assert summary["best"] == {"value": 0.3, "iteration": 2, "metric": "mAP"}
+    assert summary["eval"] == {"mAP": 0.2}  # evaluations before the last step only: 1, 2, 3
+    best = torch.load(tmp_path / "model_best.pth", weights_only=False)
+    assert best["best"] == summary["best"] and best["trainer"]["iteration"] == 2
+    final = torch.load(tmp_path / "model_final.pth", weights_only=False)
+    assert final["iteration"] == 4 and (tmp_path / "model_0000004.pth").is_file()  # the end's checkpoint
+    for name, value in model.state_dict().items():
+        assert torch.equal(final["model"][name], value), name
+    assert [r["kind"] for r in _rows(tmp_path)] == ["train", "eval"] * 3 + ["train"]

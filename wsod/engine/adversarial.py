@@ -1,10 +1,11 @@
 """The adversarial step of Concrete DropBlock (docs/METHOD.md §6): after each detector step, the DropBlock
 scorer learns to drop what the detector relies on most.
 
-Per optimizer step: (1) the detector's own step on its total loss (the training loop's); (2) this step:
-a second forward of the same batches, with new DropBlock samples, and an update of the DropBlock
-parameters alone, descending on ``-weight x total loss`` (so ascending on the detector's loss) with
-their own optimizer and schedule.
+Per optimizer step: (1) the detector's own step on its total loss (the training loop's); (2) this step,
+the loop's ``after_step`` of this companion (``wsod.engine.companion``): a second forward of the same
+batches, with new DropBlock samples, and an update of the DropBlock parameters alone, descending on
+``-weight x total loss`` (so ascending on the detector's loss) with their own optimizer and schedule.
+The schedule steps with the detector's, whether the detector's step was applied or skipped.
 
 The second pass only needs the gradient of the DropBlock parameters. Every other parameter is set not to
 require grad for its duration, so the base network builds no graph, the sequentially back-propagated
@@ -25,6 +26,7 @@ from torch import nn
 
 from wsod.distributed import all_reduce_mean
 from wsod.engine.amp import autocast
+from wsod.engine.companion import Companion
 from wsod.engine.solver import WarmupMultiStepLR, load_optimizer_state
 
 __all__ = ["DropBlockAdversary"]
@@ -44,18 +46,22 @@ def _only_trainable(model: nn.Module, keep: Sequence[nn.Parameter]) -> Iterator[
             p.requires_grad_(flag)
 
 
-class DropBlockAdversary:
-    """Trains a detector's ``dropblock`` adversarially.
+class DropBlockAdversary(Companion):
+    """Trains a detector's ``dropblock`` adversarially; a training-loop ``Companion``.
 
     Args:
         detector: the (unwrapped) ``WeaklySupervisedDetector`` whose ``dropblock`` is trained.
         optimizer: over ``detector.dropblock``'s parameters only (the reference: SGD, lr 1e-4, momentum
             0.9, weight decay 1e-4, biases at twice the lr without decay).
         scheduler: the DropBlock learning-rate schedule (the reference: x3 at each of the detector's lr
-            steps, warm-up over 500 steps); stepped by the training loop with the detector's.
+            steps, warm-up over 500 steps); stepped once per optimizer step, by ``after_step`` or
+            ``skip``, as the detector's is.
         weight: the DropBlock loss is ``-weight`` x the detector's total loss (reference: 0.01).
         amp: the training loop's resolved precision (None, "bf16" or "fp16"); fp16 uses its own scaler.
     """
+
+    name = "adversary"
+    needs_inputs = True  # the second forward runs on the step's own batches
 
     def __init__(
         self,
@@ -74,6 +80,7 @@ class DropBlockAdversary:
         self.scaler = torch.amp.GradScaler(self.device.type, enabled=amp == "fp16")
         self.params = [p for p in detector.dropblock.parameters() if p.requires_grad]
         self.skipped_steps = 0
+        self._step_lr = self.lr  # the rate of the last optimizer step, for its log row
 
     def step(self, batches: Sequence[dict[str, Any]]) -> float:
         """One adversarial update from the step's batches (``model_inputs`` dicts already on the device,
@@ -108,6 +115,24 @@ class DropBlockAdversary:
         self.scaler.update()
         self.optimizer.zero_grad(set_to_none=True)
         return mean_loss
+
+    def after_step(self, inputs: Sequence[dict[str, Any]]) -> dict[str, float]:
+        """The adversarial update on the detector's applied step (``inputs``: its micro-batches), then the
+        schedule's step. Logs the mean detector loss of the second forward as ``adversarial_loss``."""
+        values = {"adversarial_loss": self.step(inputs)}
+        self._advance_schedule()
+        return values
+
+    def skip(self) -> None:
+        """No adversarial update on a skipped step; the schedule still steps, as the detector's does."""
+        self._advance_schedule()
+
+    def log_values(self) -> dict[str, float]:
+        return {"dropblock_lr": self._step_lr}
+
+    def _advance_schedule(self) -> None:
+        self._step_lr = self.lr  # read before the step: the rate this optimizer step used
+        self.scheduler.step()
 
     @property
     def lr(self) -> float:

@@ -1,35 +1,42 @@
 """GradNorm in the training loop: learned loss weights, their own optimizer, accumulation and processes.
 
-Per optimizer step with ``accumulation`` batches (see ``wsod.gradnorm`` for one balance call):
+Per optimizer step with ``accumulation`` batches (see ``wsod.engine.gradnorm`` for one balance call), at
+the points where the loop calls a ``Companion`` (``wsod.engine.companion``):
 
-* each batch: ``weighted_total(losses, roi_features)`` measures the per-loss gradient norms at the ROI
-  features (the heads only), keeps GradNorm's weight gradient, and returns the weighted total (weights
-  detached) for the loop's one backward;
-* after the detector's update: ``step()`` averages the weight gradients over the accumulated batches and
-  over processes (so the weights stay identical everywhere), updates the weights with their own
-  optimizer, and renormalises them to sum to the number of losses.
+* each batch, ``combine(losses, roi_features)`` (``weighted_total``): measures the per-loss gradient norms
+  at the ROI features (the heads only), keeps GradNorm's weight gradient, and returns the weighted total
+  (weights detached) for the loop's one backward;
+* after the detector's update, ``after_step`` (``step()``): averages the weight gradients over the
+  accumulated batches and over processes (so the weights stay identical everywhere), updates the weights
+  with their own optimizer, renormalises them to sum to the number of losses, and logs them;
+* a skipped step, ``skip()`` (``discard()``): the kept weight gradients are dropped.
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
 
 import torch
 from torch import Tensor
 
 from wsod.distributed import all_reduce_mean
+from wsod.engine.companion import Companion
+from wsod.engine.gradnorm import GradNorm
 from wsod.engine.solver import load_optimizer_state
-from wsod.gradnorm import GradNorm
 
 __all__ = ["LossBalancer"]
 
 
-class LossBalancer:
+class LossBalancer(Companion):
     """``GradNorm(num_losses, alpha, min_weight)`` with an Adam optimizer (learning rate ``lr``) for
-    its weights.
+    its weights; a training-loop ``Companion`` that combines the losses.
 
     The loss names are fixed by the first call (a detector's losses always come in the same order).
     """
+
+    name = "balancer"
+    combines_losses = True
 
     def __init__(
         self, num_losses: int, *, alpha: float = 1.5, lr: float = 0.01, min_weight: float = 0.01
@@ -65,6 +72,18 @@ class LossBalancer:
         """Forget the kept weight gradients (the step was skipped: a loss was not finite)."""
         self._grads.clear()
 
+    def combine(self, losses: dict[str, Tensor], roi_features: Tensor) -> Tensor:
+        return self.weighted_total(losses, roi_features)
+
+    def after_step(self, inputs: Sequence[dict[str, Any]]) -> dict[str, float]:
+        """Update the weights from the step's batches (already measured: ``inputs`` is not needed) and
+        log them as ``weight_<loss name>``."""
+        self.step()
+        return self.weights()
+
+    def skip(self) -> None:
+        self.discard()
+
     def weights(self) -> dict[str, float]:
         """The current loss weights by loss name, for the log."""
         names = self.gradnorm.last_names or [str(i) for i in range(self.gradnorm.num_losses)]
@@ -73,6 +92,7 @@ class LossBalancer:
     def state_dict(self) -> dict[str, Any]:
         return {"gradnorm": self.gradnorm.state_dict(), "optimizer": self.optimizer.state_dict()}
 
-    def load_state_dict(self, state: dict[str, Any]) -> None:
+    def load_state_dict(self, state: dict[str, Any], iteration: int = 0) -> None:
+        """Restore ``state_dict()``'s output (no schedule: ``iteration`` is not needed)."""
         self.gradnorm.load_state_dict(state["gradnorm"])
         load_optimizer_state(self.optimizer, state["optimizer"])  # the current config's learning rate

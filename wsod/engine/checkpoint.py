@@ -1,9 +1,19 @@
-"""Atomic checkpoints and resume from the newest valid one.
+"""Atomic checkpoints, resume from the newest valid one, and the one place that decides what a run saves.
 
 A checkpoint is written to a temporary file in the same directory, flushed and fsync'ed, then renamed
 over its final name: a killed run leaves either the old file or the new one, never half of one. On
 resume, checkpoints are tried newest first; one that cannot be read (truncated, corrupt) is skipped with
 a warning and the previous one is used.
+
+A run directory's files (``Checkpointer``):
+
+* ``model_<iteration>.pth``, the newest ``keep`` of them: everything a resume needs. The training loop
+  gives the ``payload`` (``model``, ``optimizer``, ``scaler``, ``rng`` and each companion's state under
+  its name); the checkpointer adds ``trainer`` (``TrainState`` as a dict plus ``best``) and ``metadata``.
+* ``model_final.pth``: ``{"model", "iteration", "metadata"}``, the weights at the end of training.
+* ``model_best.pth``: the checkpoint, periodic or final, whose evaluation had the highest value of the
+  primary metric, with that evaluation's record ``{"value", "iteration", "metric"}`` under ``best``. Only
+  a strictly higher value replaces it, also across a resume: the record is read back from it then.
 """
 
 from __future__ import annotations
@@ -11,6 +21,8 @@ from __future__ import annotations
 import logging
 import random
 import re
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 from typing import Any
 
@@ -19,6 +31,9 @@ import torch
 from wsod.atomic import atomic_write
 
 __all__ = [
+    "TrainState",
+    "Checkpointer",
+    "checkpoint_name",
     "save_checkpoint",
     "load_checkpoint",
     "latest_valid_checkpoint",
@@ -106,3 +121,149 @@ def set_rng_state(state: dict[str, Any]) -> None:
         )  # fmt: skip
     for index, device_state in enumerate(saved[:visible]):
         torch.cuda.set_rng_state(_byte_tensor(device_state), index)
+
+
+@dataclass
+class TrainState:
+    """The training loop's counters; checkpoints store them as the ``trainer`` dict (with the checkpointer's
+    ``best`` beside them), the same keys as before this class existed, so that old and new checkpoints
+    read alike.
+
+    Attributes:
+        iteration: optimizer steps done (applied or skipped).
+        skipped_steps: steps skipped because something was not finite.
+        last_finite: the iteration of the last applied step, or None when none was.
+        last_eval: the metrics of the last periodic evaluation, or None.
+    """
+
+    iteration: int = 0
+    skipped_steps: int = 0
+    last_finite: int | None = None
+    last_eval: dict[str, float] | None = None
+
+    @classmethod
+    def from_dict(cls, stored: dict[str, Any]) -> TrainState:
+        """A checkpoint's ``trainer`` dict; keys that are not counters (``best``) are the checkpointer's."""
+        names = {f.name for f in fields(cls)}
+        return cls(**{k: v for k, v in stored.items() if k in names})
+
+
+def checkpoint_name(iteration: int) -> str:
+    """``model_<iteration>.pth`` with seven digits, so that names sort as iterations do."""
+    return f"model_{iteration:07d}.pth"
+
+
+def _better_best(a: dict[str, Any] | None, b: dict[str, Any] | None) -> dict[str, Any] | None:
+    # A checkpoint older than the best evaluation does not know it; model_best.pth does.
+    if a is None or (b is not None and b["value"] > a["value"]):
+        return b
+    return a
+
+
+class Checkpointer:
+    """Periodic checkpoints with rotation, ``model_final.pth`` and ``model_best.pth`` of one run directory
+    (the module docstring says what each holds).
+
+    Args:
+        run_dir: the run directory (created when it does not exist).
+        period: a periodic checkpoint every ``period`` iterations (0: none but the forced ones).
+        keep: how many periodic checkpoints stay; older ones are deleted after each save.
+        metadata: stored in every file under ``metadata`` (the model config and class names, so that
+            evaluation rebuilds the model from a checkpoint alone).
+        enabled: whether this process writes files (the main one). Every process keeps the same best
+            record, so that all of them make the same decisions.
+
+    Attributes:
+        best: the best evaluation's record ``{"value", "iteration", "metric"}``, or None.
+    """
+
+    def __init__(
+        self,
+        run_dir: str | Path,
+        *,
+        period: int = 1000,
+        keep: int = 3,
+        metadata: dict[str, Any] | None = None,
+        enabled: bool = True,
+    ) -> None:
+        self.run_dir = Path(run_dir)
+        self.period, self.keep, self.enabled = period, keep, enabled
+        self.metadata = metadata or {}
+        self.best: dict[str, Any] | None = None
+        self._final: dict[str, Any] | None = None
+        self._saved_at: int | None = None  # the iteration of the last periodic save
+        if enabled:
+            self.run_dir.mkdir(parents=True, exist_ok=True)
+
+    def path(self, iteration: int) -> Path:
+        """Where the periodic checkpoint of ``iteration`` is (or would be) saved."""
+        return self.run_dir / checkpoint_name(iteration)
+
+    def newest(self) -> Path | None:
+        """The newest periodic checkpoint on disk, or None."""
+        saved = list_checkpoints(self.run_dir)
+        return saved[0] if saved else None
+
+    def resume(self, checkpoint: dict[str, Any]) -> TrainState:
+        """The counters of ``checkpoint`` (this run's, read by ``latest_valid_checkpoint``); the best
+        record becomes the better of the checkpoint's and ``model_best.pth``'s."""
+        stored = checkpoint["trainer"]
+        self.best = _better_best(stored.get("best"), self._recorded_best())
+        return TrainState.from_dict(stored)
+
+    def checkpoint(self, state: TrainState, payload: dict[str, Any]) -> dict[str, Any]:
+        """A periodic checkpoint's contents: the loop's ``payload`` with the counters and metadata."""
+        return {**payload, "trainer": {**asdict(state), "best": self.best}, "metadata": self.metadata}
+
+    def periodic(
+        self, state: TrainState, payload: Callable[[], dict[str, Any]], *, force: bool = False
+    ) -> Path | None:
+        """Save ``model_<state.iteration>.pth`` when the iteration is a multiple of ``period``, or with
+        ``force`` (a stop, the end of training), unless this iteration's is saved already; keep the newest
+        ``keep``. ``payload()`` is called only when a file is written. Returns the path saved, or None."""
+        due = force or (self.period and state.iteration % self.period == 0)
+        if not due or not self.enabled or state.iteration == self._saved_at:
+            return None
+        path = save_checkpoint(self.checkpoint(state, payload()), self.path(state.iteration))
+        self._saved_at = state.iteration
+        for old in list_checkpoints(self.run_dir)[self.keep :]:
+            old.unlink(missing_ok=True)
+        return path
+
+    def final(self, model_state: dict[str, Any], iteration: int) -> None:
+        """Save ``model_final.pth`` (the weights ``model_state`` after ``iteration`` steps)."""
+        self._final = {"model": model_state, "iteration": iteration, "metadata": self.metadata}
+        if self.enabled:
+            save_checkpoint(self._final, self.run_dir / "model_final.pth")
+
+    def offer_best(
+        self,
+        metric: str,
+        value: float | None,
+        iteration: int,
+        contents: Callable[[], dict[str, Any]] | None = None,
+    ) -> bool:
+        """Record the evaluation at ``iteration`` as the best when its ``value`` of ``metric`` beats the
+        recorded one (None, an undefined value, never does), and save ``model_best.pth``: ``contents()``
+        (a periodic evaluation's: ``checkpoint(state, payload)``, called after the record is updated) or,
+        by default, the final model that ``final()`` saved. Returns whether it was the best."""
+        if value is None or (self.best is not None and value <= self.best["value"]):
+            return False
+        self.best = {"value": value, "iteration": iteration, "metric": metric}
+        if self.enabled:
+            if contents is None and self._final is None:
+                raise RuntimeError("Checkpointer.offer_best: no final model: call final() or give contents")
+            saved = contents() if contents is not None else self._final
+            save_checkpoint({**saved, "best": self.best}, self.run_dir / "model_best.pth")
+        return True
+
+    def _recorded_best(self) -> dict[str, Any] | None:
+        """The evaluation ``model_best.pth`` was saved for, or None (no file, or an unreadable one)."""
+        path = self.run_dir / "model_best.pth"
+        if not path.is_file():
+            return None
+        try:
+            return load_checkpoint(path).get("best")
+        except RuntimeError as error:
+            logger.warning("ignoring %s: %s", path, error)
+            return None

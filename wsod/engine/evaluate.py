@@ -35,7 +35,7 @@ from wsod.distributed import broadcast_object, is_main_process
 from wsod.engine.checkpoint import save_checkpoint
 from wsod.engine.inference import predict, random_detections
 from wsod.engine.visualize import draw_detections, tag_safe
-from wsod.evaluation import classification, coco, voc
+from wsod.evaluation import METRICS, classification, coco, voc
 from wsod.modeling.detector import WeaklySupervisedDetector
 
 __all__ = [
@@ -52,7 +52,6 @@ __all__ = [
 
 logger = logging.getLogger(__name__)
 
-METRICS = (*voc.METRICS, "coco")
 Detections = list[dict[str, Tensor]]
 # The line a label-only evaluation prints instead of detection numbers.
 NO_BOXES = "detection AP and CorLoc unavailable: the test set has no boxes (image-level labels only)"

@@ -22,14 +22,17 @@ class RunLog:
     (every process but the main one) it writes nothing. Use as a context manager, or ``close()``.
 
     ``purge_after``: a resumed run continues after this iteration; rows and events logged later by the
-    interrupted run are dropped first (tensorboard's ``purge_step``), so each iteration appears once.
+    interrupted run are dropped first (tensorboard's ``purge_step``), so each iteration appears once. It
+    stays an attribute: the training loop checks it against the iteration it resumes at. One RunLog
+    serves a whole run, the final evaluation's row included (``wsod.run``).
     """
 
     def __init__(self, run_dir: str | Path, enabled: bool = True, purge_after: int | None = None) -> None:
-        self.enabled = enabled
+        self.enabled, self.purge_after = enabled, purge_after
         if not enabled:
             return
         run_dir = Path(run_dir)
+        run_dir.mkdir(parents=True, exist_ok=True)
         metrics = run_dir / "metrics.jsonl"
         if purge_after is not None and metrics.is_file():
             kept = [

@@ -10,7 +10,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from wsod.gradnorm import GradNorm
+from wsod.engine.gradnorm import GradNorm
 from wsod.sequential_backprop import SequentialBackprop
 
 N, D_IN, D = 10, 5, 6
@@ -295,3 +295,9 @@ def test_errors_and_guards():
         gradnorm.renormalize()
     with pytest.raises(ValueError, match="min_weight must lie in"):
         GradNorm(4, min_weight=-0.1)
+
+
+def test_the_old_import_path_gives_the_same_gradnorm():
+    from wsod.gradnorm import GradNorm as OldPath
+
+    assert OldPath is GradNorm
