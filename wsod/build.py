@@ -1,6 +1,6 @@
 """The one place that turns a Hydra config into objects. Modules never see the config: besides this file
-only the entry points read it (``wsod.run``, ``wsod.predict_images``, the thin scripts in tools/) and
-``wsod.config_checks`` checks it. See configs/ for the fields and their meaning."""
+only the entry points read it (``wsod.run``: training, evaluation and prediction; the thin scripts in
+tools/) and ``wsod.config_checks`` checks it. See configs/ for the fields and their meaning."""
 
 from __future__ import annotations
 

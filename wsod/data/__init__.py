@@ -3,17 +3,19 @@ transforms and batching.
 
 Conventions (written once, here and in ``box_formats``): boxes are float32 ``x1 y1 x2 y2`` pixels,
 0-based inclusive for VOC-style data and proposals; image labels are (C,) float32 multi-hot over the
-foreground classes 0..C-1; ground-truth labels index the same classes.
+foreground classes 0..C-1; ground-truth labels index the same classes. Each image's training
+supervision travels as one ``targets`` dict (``labels`` plus optional points, scribbles and boxes, moved
+with the image by every transform): the field convention is ``wsod.data.targets``'s.
 """
 
 from wsod.data.coco import CocoDataset
 from wsod.data.dataset import ConcatWeakDataset, ImageRecord, WeakDetectionDataset
 from wsod.data.folder import FolderDataset
 from wsod.data.loader import build_test_loader, build_train_loader, collate, infinite_batches, model_inputs
-from wsod.data.proposal_store import ProposalStore
 from wsod.data.proposals import (
     MissingProposalsError,
     ProposalSet,
+    ProposalStore,
     convert_proposals,
     load_proposals,
     save_proposals,
