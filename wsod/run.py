@@ -38,7 +38,6 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 import torch
-import torchvision
 from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig, OmegaConf
 
@@ -87,7 +86,7 @@ from wsod.engine.evaluate import Evaluation, Evaluator, write_evaluation
 from wsod.engine.inference import predict
 from wsod.engine.run_log import RunLog
 from wsod.engine.train import train
-from wsod.engine.visualize import draw_detections
+from wsod.engine.visualize import draw_detections, save_png
 from wsod.evaluation.coco import save_coco_results, to_named_results
 
 __all__ = [
@@ -437,7 +436,7 @@ def _predict_in(out_dir: Path, cfg: DictConfig, device: torch.device) -> dict[st
         drawn = draw_detections(load_image(path), det, classes)
         target = out_dir / name
         target.parent.mkdir(parents=True, exist_ok=True)
-        torchvision.io.write_png(drawn, str(target))
+        save_png(drawn, target)
     logger.info(
         "%d detections scoring >= %g in %d images: %s and one PNG per image in %s",
         len(results), cfg.score_threshold, len(files), out_dir / "predictions.json", out_dir,

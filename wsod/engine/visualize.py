@@ -3,15 +3,17 @@ and the tensorboard images of each evaluation during training."""
 
 from __future__ import annotations
 
+import os
 import re
 from collections.abc import Mapping, Sequence
 
 import torch
+from PIL import Image
 from torch import Tensor
 from torchvision.transforms.v2 import functional as F
 from torchvision.utils import draw_bounding_boxes
 
-__all__ = ["PALETTE", "draw_detections", "tag_safe"]
+__all__ = ["PALETTE", "draw_detections", "save_png", "tag_safe"]
 
 # One colour per class (cycled): distinct hues that stay visible on photographs.
 PALETTE = (
@@ -19,6 +21,13 @@ PALETTE = (
     (70, 240, 240), (240, 50, 230), (210, 245, 60), (250, 190, 212), (0, 128, 128), (170, 110, 40),
 )  # fmt: skip
 GROUND_TRUTH_COLOUR = (255, 255, 255)
+
+
+def save_png(image: Tensor, path: str | os.PathLike) -> None:
+    """Write a uint8 (3, H, W) RGB image as a PNG with Pillow (torchvision 0.29 deprecates its encoders)."""
+    if image.dtype != torch.uint8 or image.dim() != 3 or image.shape[0] != 3:
+        raise ValueError(f"save_png needs a uint8 (3, H, W) image, got {image.dtype} {tuple(image.shape)}")
+    Image.fromarray(image.permute(1, 2, 0).cpu().numpy()).save(path, format="PNG")
 
 
 def draw_detections(
