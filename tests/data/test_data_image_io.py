@@ -11,7 +11,7 @@ import cv2
 import numpy as np
 import pytest
 import torch
-from PIL import Image, ImageOps
+from PIL import ExifTags, Image, ImageOps
 
 from wsod.data.dataset import ImageRecord, WeakDetectionDataset, image_size_from_header, load_image
 from wsod.data.image_io import read_image_rgb, read_image_size
@@ -143,6 +143,23 @@ def test_every_exif_orientation_is_applied_as_pillows_exif_transpose_applies_it(
         viewer = np.asarray(ImageOps.exif_transpose(image).convert("RGB"))
     np.testing.assert_array_equal(read_image_rgb(path), viewer)
     assert read_image_size(path) == viewer.shape[:2] == ((16, 10) if orientation >= 5 else (10, 16))
+
+
+@pytest.mark.parametrize("orientation", [3, 6, 8])
+def test_an_oriented_tiff_is_turned_once_as_pillows_tiff_reader_turns_it(tmp_path, orientation):
+    """Pillow's TIFF reader applies the orientation tag itself (size at open, pixels at load): applying it
+    again would turn the picture twice (a 6 came out upside down)."""
+    stored, exif = _smooth(10, 16), Image.Exif()
+    exif[ExifTags.Base.Orientation] = orientation
+    Image.fromarray(stored).save(tmp_path / "o.tif", exif=exif)
+    with Image.open(tmp_path / "o.tif") as image:
+        viewer = np.asarray(ImageOps.exif_transpose(image).convert("RGB"))
+    np.testing.assert_array_equal(read_image_rgb(tmp_path / "o.tif"), viewer)
+    assert (
+        read_image_size(tmp_path / "o.tif")
+        == viewer.shape[:2]
+        == ((16, 10) if orientation >= 5 else (10, 16))
+    )
 
 
 def test_an_invalid_orientation_or_unparsable_exif_leaves_the_stored_grid(tmp_path):

@@ -75,6 +75,8 @@ def _check_mode(path: str | os.PathLike, mode: str) -> None:
 def _orientation(image: Image.Image) -> int:
     """EXIF orientation 1..8 of an opened, not yet decoded image; 1 when absent, not a valid value or in
     EXIF data that does not parse (viewers then show the stored grid too; the pixels are still fine)."""
+    if image.format == "TIFF":
+        return 1  # Pillow's TIFF reader applies the tag itself, to the size at open and the pixels at load
     try:
         # The base class's getexif on purpose: PngImageFile's override decodes the pixels first.
         orientation = Image.Image.getexif(image).get(ExifTags.Base.Orientation, 1)
