@@ -73,12 +73,14 @@ def collate(items: Sequence[dict], size_divisor: int = SIZE_DIVISOR) -> dict:
 
 
 def model_inputs(batch: dict, device: torch.device | str | None = None) -> dict:
-    """The detector's keyword arguments from a batch, moved to ``device`` when given."""
+    """The detector's keyword arguments from a batch, moved to ``device`` when given. ``image_labels`` is
+    None: the targets carry the same labels, and the detector stacks them (passing both would move them
+    twice and make the detector compare them, a device sync, every step)."""
     inputs = {key: batch[key] for key in MODEL_INPUT_KEYS}
+    inputs["image_labels"] = None
     if device is not None:
         inputs["images"] = inputs["images"].to(device, non_blocking=True)
         inputs["proposals"] = [p.to(device, non_blocking=True) for p in inputs["proposals"]]
-        inputs["image_labels"] = inputs["image_labels"].to(device, non_blocking=True)
         inputs["targets"] = [
             {name: value.to(device, non_blocking=True) for name, value in targets.items()}
             for targets in inputs["targets"]
