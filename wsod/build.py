@@ -4,7 +4,7 @@ tools/) and ``wsod.config_checks`` checks it. See configs/ for the fields and th
 
 from __future__ import annotations
 
-import importlib
+import pkgutil
 from pathlib import Path
 from typing import Any
 
@@ -27,7 +27,7 @@ from wsod.engine.evaluate import Evaluator
 from wsod.engine.solver import build_optimizer as _build_optimizer
 from wsod.engine.solver import build_scheduler as _build_scheduler
 from wsod.modeling.detector import METHODS, WeaklySupervisedDetector, build_detector
-from wsod.modeling.method import RefinementMethod
+from wsod.modeling.method import MOVED_TO_METHOD, RefinementMethod
 from wsod.modeling.refinement import MISTLabeler, OICRLabeler, PseudoLabeler
 
 __all__ = [
@@ -51,11 +51,6 @@ __all__ = [
 LABELERS: dict[str, type] = {"mist": MISTLabeler, "oicr": OICRLabeler}
 # Checkpoints written before configs/method/ existed held MIST's settings among the model's.
 _LEGACY_MIST_KEYS = {"mist_p": "p", "mist_tau": "tau", "mist_suppress": "suppress"}
-# Method settings that checkpoints written before the method seam hold among the model's (also in
-# wsod/config_checks.py's resume comparison).
-MOVED_TO_METHOD = ("num_students", "first_student_loss_weight")
-# The student count is the detector's architecture: build_model gives it to the detector, not the method.
-DEFAULT_NUM_STUDENTS = 3
 
 
 def resolve_device(name: str) -> torch.device:
@@ -83,27 +78,17 @@ def _method_class(name: str) -> type[RefinementMethod]:
         " subclass (its module on sys.path)"
     )
     module_name, _, class_name = name.rpartition(":") if ":" in name else name.rpartition(".")
-    if not module_name or not class_name:
+    if not module_name:
         raise ValueError(f"unknown method.name='{name}': {expected}")
     try:
-        module = importlib.import_module(module_name)
-    except ImportError as error:
-        problem = f"method.name='{name}': cannot import {module_name} ({error})"
+        method_class = pkgutil.resolve_name(name)  # module:Class and module.Class alike
+    except (ImportError, AttributeError, ValueError) as error:
+        problem = f"method.name='{name}': cannot import {module_name}, or it has no {class_name} ({error})"
         raise ValueError(f"{problem}; {expected}") from error
-    method_class = getattr(module, class_name, None)
     if not (isinstance(method_class, type) and issubclass(method_class, RefinementMethod)):
-        raise ValueError(
-            f"method.name='{name}': {module_name} has no RefinementMethod subclass {class_name}; {expected}"
-        )
+        problem = f"method.name='{name}': {module_name} has no RefinementMethod subclass {class_name}"
+        raise ValueError(f"{problem}; {expected}")
     return method_class
-
-
-def _method_settings(method_cfg: DictConfig | dict | None) -> tuple[str, dict[str, Any], int]:
-    """(name, the method class's keyword arguments, num_students) of a ``configs/method`` node."""
-    options = _plain(method_cfg)
-    name = options.pop("name", "mist")
-    num_students = options.pop("num_students", DEFAULT_NUM_STUDENTS)
-    return name, options, num_students
 
 
 def build_method(method_cfg: DictConfig | dict | None) -> RefinementMethod:
@@ -111,7 +96,9 @@ def build_method(method_cfg: DictConfig | dict | None) -> RefinementMethod:
     ``METHODS`` or an import path ``module:ClassName``), every other key but ``num_students`` (the
     detector's) is its keyword argument, so ``+method.my_key=1`` reaches a user's method. ``None``
     gives MIST with its defaults."""
-    name, options, _ = _method_settings(method_cfg)
+    options = _plain(method_cfg)
+    options.pop("num_students", None)  # the detector's: it builds the students
+    name = options.pop("name", "mist")
     method_class = _method_class(name)
     try:
         return method_class(**options)
@@ -131,15 +118,12 @@ def build_model(
     model_cfg: DictConfig | dict, num_classes: int, method_cfg: DictConfig | dict | None = None
 ) -> WeaklySupervisedDetector:
     """The detector from a ``configs/model`` node (every key is a ``build_detector`` argument) and a
-    ``configs/method`` node (the refinement method, and ``num_students``: how many students it trains).
-    Settings in an older checkpoint's layout (the method's among the model's) are read too."""
-    model_settings, method_settings = _current_settings(_plain(model_cfg), _plain(method_cfg))
-    _, _, num_students = _method_settings(method_settings)
+    ``configs/method`` node (the refinement method, and ``num_students``: how many students it trains;
+    ``build_detector``'s default when absent)."""
+    method_settings = _plain(method_cfg)
+    students = {"num_students": method_settings["num_students"]} if "num_students" in method_settings else {}
     return build_detector(
-        num_classes=num_classes,
-        num_students=num_students,
-        method=build_method(method_settings),
-        **model_settings,
+        num_classes=num_classes, method=build_method(method_settings), **students, **_plain(model_cfg)
     )
 
 
@@ -156,8 +140,11 @@ def load_detector(
             f"{checkpoint_path} holds no model settings (metadata.model, metadata.classes): not a wsod"
             " checkpoint?"
         )
-    model_settings = {**metadata["model"], "weights": None}
-    model = build_model(model_settings, len(metadata["classes"]), metadata.get("method"))
+    # Settings in an older checkpoint's layout (the method's among the model's) are read too.
+    model_settings, method_settings = _current_settings(
+        dict(metadata["model"]), _plain(metadata.get("method"))
+    )
+    model = build_model({**model_settings, "weights": None}, len(metadata["classes"]), method_settings)
     model.load_state_dict(checkpoint["model"])
     return model.to(map_location).eval(), metadata
 

@@ -28,6 +28,7 @@ from wsod.data.folder import SPLITS as FOLDER_SPLITS
 from wsod.data.proposals.selective_search import MODES as SELECTIVE_SEARCH_MODES
 from wsod.evaluation import METRICS
 from wsod.modeling import BACKBONES, METHODS
+from wsod.modeling.method import MOVED_TO_METHOD
 
 __all__ = [
     "ConfigError",
@@ -384,12 +385,9 @@ _FREE_ON_RESUME = (
 )
 
 
-# Keys that moved since older checkpoints were written (as wsod.build.MOVED_TO_METHOD): a saved config is
-# compared under the new names, so that resuming such a checkpoint sees no change.
-_MOVED_KEYS = {
-    "model.num_students": "method.num_students",
-    "model.first_student_loss_weight": "method.first_student_loss_weight",
-}
+# Keys that moved since older checkpoints were written: a saved config is compared under the new names,
+# so that resuming such a checkpoint sees no change.
+_MOVED_KEYS = {f"model.{key}": f"method.{key}" for key in MOVED_TO_METHOD}
 
 
 def resume_changes(saved: Mapping[str, Any] | DictConfig, new: Mapping[str, Any] | DictConfig) -> list[str]:

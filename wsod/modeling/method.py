@@ -33,7 +33,11 @@ from dataclasses import dataclass, field
 import torch
 from torch import Tensor
 
-__all__ = ["PseudoLabels", "RefinementMethod"]
+__all__ = ["MOVED_TO_METHOD", "PseudoLabels", "RefinementMethod"]
+
+# Method settings that checkpoints written before this seam hold among the model's (``model.<key>``):
+# read back by wsod.build.load_detector and compared under their new names by resume_changes.
+MOVED_TO_METHOD = ("num_students", "first_student_loss_weight")
 
 
 @dataclass(frozen=True)
