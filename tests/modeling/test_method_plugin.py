@@ -4,11 +4,9 @@ fields, its own loss and loss names, trained from a config that names it by impo
 from __future__ import annotations
 
 import json
-import math
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 
-import pytest
 import torch
 import torch.nn.functional as F
 from hydra import compose, initialize_config_dir
@@ -118,53 +116,11 @@ class ClusterMethod(RefinementMethod):
         return {f"loss_cluster_{student}": factor * loss}
 
 
-def naive_cluster_loss(logits, records, cluster_weight):
-    """ClusterMethod's loss of one student (factor 1), image by image in plain Python: no offsets."""
-    total, start = 0.0, 0
-    for record in records:
-        n = len(record)
-        rows = [[math.exp(v) for v in row] for row in logits[start : start + n].tolist()]
-        probs = [[v / sum(row) for v in row] for row in rows]
-        image = 0.0
-        cluster = record.extra["cluster"].tolist()
-        for g, (score, cls) in enumerate(
-            zip(
-                record.extra["cluster_scores"].tolist(), record.extra["cluster_classes"].tolist(), strict=True
-            )
-        ):
-            members = [r for r in range(n) if cluster[r] == g]
-            if members:
-                mean = sum(probs[r][cls] for r in members) / len(members)
-                image += -cluster_weight * score * math.log(max(mean, 1e-12))
-        for r in range(n):
-            if cluster[r] < 0:
-                image += -record.weights[r].item() * math.log(probs[r][0])
-        total += image / n
-        start += n
-    return total / len(records)
-
-
 def _image(seed: int, count: int, labels: list[float]):
     g = torch.Generator().manual_seed(seed)
     xy = torch.randint(0, 30, (count, 2), generator=g).double()
     proposals = torch.cat([xy, xy + torch.randint(6, 30, (count, 2), generator=g).double()], dim=1)
     return proposals, torch.rand(count, NUM_CLASSES, generator=g, dtype=torch.double), torch.tensor(labels)
-
-
-def test_the_plugin_methods_batched_loss_equals_its_image_by_image_reference():
-    # Three images, the second without a positive class: cluster ids need per-image offsets.
-    method = ClusterMethod(cluster_weight=0.7)
-    images = [_image(0, 25, [1, 0, 1]), _image(1, 9, [0, 0, 0]), _image(2, 14, [0, 1, 1])]
-    records = [method.pseudo_labels(2, p, s, {"labels": y}) for p, s, y in images]
-    assert [len(r.extra["cluster_scores"]) for r in records] == [2, 0, 2]
-    assert all(r.extra["cluster"].max() >= 0 for r in (records[0], records[2]))  # clusters have members
-    logits = torch.randn(48, NUM_CLASSES + 1, generator=torch.Generator().manual_seed(3), dtype=torch.double)
-    deltas = torch.zeros(48, 4 * (NUM_CLASSES + 1), dtype=torch.double)
-    losses = method.losses(2, logits, deltas, records, [p for p, _, _ in images])
-    assert list(losses) == ["loss_cluster_2"]
-    assert losses["loss_cluster_2"].item() == pytest.approx(
-        naive_cluster_loss(logits, records, 0.7), rel=1e-12
-    )
 
 
 def test_the_detector_trains_a_plugin_method_with_its_loss_names_and_gradnorm_counts_them():
