@@ -18,12 +18,13 @@ from wsod.data.proposals import ProposalSet, load_proposals, save_proposals
 
 REPO = Path(__file__).resolve().parents[2]
 
-# The public names of wsod/data/proposals.py before it became this package.
+# The names of wsod/data/proposals.py before it became this package (its __all__ at 9aba265, ImageId and the
+# suffix tuples it defined, and ProposalSizeError, added while it was still a module).
 MODULE_NAMES = (
     "MissingProposalsError", "ProposalSizeError", "ProposalSet", "proposal_key", "filter_proposals",
     "whole_image_box", "load_proposals", "save_proposals", "read_proposal_pickle", "write_proposal_pickle",
     "read_proposal_mat", "write_proposal_mat", "convert_proposals", "ImageId", "PICKLE_SUFFIXES",
-    "MAT_SUFFIXES", "INT32_MAX", "REMAKE", "PICKLE_LAYOUT", "MAT_LAYOUT",
+    "MAT_SUFFIXES",
 )  # fmt: skip
 
 # Old module -> (its new home, the names code and tests import from the old path).

@@ -31,7 +31,7 @@ from tqdm import tqdm
 
 from wsod.atomic import atomic_write
 from wsod.data.box_formats import to_one_based
-from wsod.data.selective_search import generate_proposals
+from wsod.data.proposals.selective_search import generate_proposals
 from wsod.data.voc import VOCDataset
 
 __all__ = ["TOY_CLASSES", "ToyDataset", "ensure_toy_dataset", "render_toy_image"]

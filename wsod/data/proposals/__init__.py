@@ -16,9 +16,7 @@ The old module paths ``wsod.data.proposal_store``, ``wsod.data.selective_search`
 """
 
 from wsod.data.proposals.io import (
-    MAT_LAYOUT,
     MAT_SUFFIXES,
-    PICKLE_LAYOUT,
     PICKLE_SUFFIXES,
     convert_proposals,
     load_proposals,
@@ -29,8 +27,6 @@ from wsod.data.proposals.io import (
     write_proposal_pickle,
 )
 from wsod.data.proposals.sets import (
-    INT32_MAX,
-    REMAKE,
     ImageId,
     MissingProposalsError,
     ProposalSet,
@@ -63,12 +59,8 @@ __all__ = [
     "write_proposal_mat",
     "convert_proposals",
     "ImageId",
-    "INT32_MAX",
-    "REMAKE",
     "PICKLE_SUFFIXES",
     "MAT_SUFFIXES",
-    "PICKLE_LAYOUT",
-    "MAT_LAYOUT",
     "ProposalStore",
     "ProposalStoreError",
     "STORE_SUFFIX",
