@@ -267,6 +267,8 @@ def test_model_inputs_move_every_target_tensor_to_the_device():
         ({"points": [[math.nan, 5]]}, "'points' holds a NaN"),
         ({"given_boxes": [[10, 10, 5, 20]]}, "'given_boxes' has a box with x2 < x1"),
         ({"point_classes": ["cat"]}, "'point_classes' holds <U3 values.*class indices"),
+        ({"points": [[1, 2], [3, 4]], "point_labels": [0]}, "'point_labels' has 1 values for the 2 rows"),
+        ({"scribble_points": [[1, 2]], "scribble_ids": [0, 0]}, "'scribble_ids' has 2 values for the 1 rows"),
     ],
 )
 def test_bad_supervision_is_an_error_naming_the_image_and_the_field(

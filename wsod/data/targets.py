@@ -65,6 +65,15 @@ def geometry_kind(name: str) -> GeometryKind | None:
     return None
 
 
+def _per_row_fields(name: str, kind: GeometryKind) -> tuple[str, ...]:
+    """The fields that hold one value per row of geometry field ``name``: ``point_labels`` of ``points``,
+    ``box_labels`` of ``boxes``, ``<x>_labels`` and ``<x>_ids`` of ``<x>_points`` / ``<x>_boxes``."""
+    if name == kind:
+        return (f"{kind[:-1]}_labels",)
+    prefix = name[: -len(kind) - 1]
+    return (f"{prefix}_labels", f"{prefix}_ids")
+
+
 def check_supervision(supervision: Mapping[str, ArrayLike], image_size: tuple[int, int], where: str) -> None:
     """Raise ``ValueError`` naming ``where`` (e.g. the image id and file) and the field when
     ``supervision`` breaks a rule of the module docstring; ``image_size`` (H, W) in pixels on disk."""
@@ -82,7 +91,16 @@ def check_supervision(supervision: Mapping[str, ArrayLike], image_size: tuple[in
                 " reach the model: store class names as class indices"
             )
         kind = geometry_kind(name)
-        if kind is None or array.size == 0:
+        if kind is None:
+            continue
+        rows = len(array) if array.size else 0
+        for other in _per_row_fields(name, kind):
+            if other in supervision and len(np.atleast_1d(np.asarray(supervision[other]))) != rows:
+                raise ValueError(
+                    f"{where}: supervision field {other!r} has {len(np.atleast_1d(supervision[other]))}"
+                    f" values for the {rows} rows of {name!r}; it holds one per row"
+                )
+        if array.size == 0:
             continue
         columns = _WIDTH[kind]
         if array.ndim != 2 or array.shape[1] != columns:
