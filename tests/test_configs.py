@@ -55,12 +55,17 @@ def test_every_method_config_builds_its_method_with_every_setting(method):
     cfg = _compose("train", [f"method={method}"])
     built = build_method(cfg.method)
     assert type(built) is METHODS[cfg.method.name]
-    assert built.fg_iou == cfg.method.fg_iou
-    assert built.first_student_loss_weight == cfg.method.first_student_loss_weight
+    settings = OmegaConf.to_container(cfg.method)
+    for key, value in settings.items():  # every setting reaches the method: changing it changes it
+        if key in ("name", "num_students"):
+            continue
+        changed = "kept" if key == "suppress" else value + 1 if isinstance(value, int) else value / 2
+        assert build_method({**settings, key: changed}) != built, key
     with pytest.raises(TypeError, match=f"method '{cfg.method.name}'"):
-        build_method({**OmegaConf.to_container(cfg.method), "typo": 1})
-    detector = build_model(_compose("train", []).model, 3, {**cfg.method, "num_students": 2})
-    assert len(detector.students) == 2
+        build_method({**settings, "typo": 1})
+    students = 2 if built.trains_students else 0
+    detector = build_model(_compose("train", []).model, 3, {**cfg.method, "num_students": students})
+    assert len(detector.students) == students
 
 
 def test_method_settings_live_in_the_method_configs_only():
@@ -84,7 +89,9 @@ def test_a_config_saved_before_the_method_settings_moved_resumes_without_a_chang
 
 def test_a_method_named_by_import_path_passes_the_checks_and_a_misspelt_name_does_not():
     check_config(_compose("train", ["method.name=my_methods:PCL"]), TRAIN_RULES)
-    with pytest.raises(ConfigError, match="method.name='mits': expected one of mist, oicr, or an import"):
+    with pytest.raises(
+        ConfigError, match="method.name='mits': expected one of mist, oicr, pcl, wsddn, or an import"
+    ):
         check_config(_compose("train", ["method.name=mits"]), TRAIN_RULES)
 
 
@@ -246,3 +253,29 @@ def test_composed_experiment_matches_its_recipe_table(name):
             assert actual == pytest.approx(expected, rel=1e-12), key
         else:
             assert actual == expected and type(actual) is type(expected), key
+
+
+@pytest.mark.parametrize(
+    ("overrides", "problem"),
+    [
+        (
+            ["method=wsddn", "method.num_students=3"],
+            "method=wsddn trains no refinement students; it must be 0",
+        ),
+        (["method=pcl", "method.num_students=0"], "method=pcl trains refinement students; at least 1"),
+        (["method=mist", "method.num_students=-1"], "method.num_students=-1: expected an integer >= 0"),
+        (["method=pcl", "method.bg_iou=1.5"], "method.bg_iou=1.5: expected"),
+        (["method=pcl", "method.kmeans_groups=1"], "method.kmeans_groups=1: expected an integer >= 2"),
+    ],
+)
+def test_method_students_and_pcl_settings_are_checked_naming_the_key(overrides, problem):
+    with pytest.raises(ConfigError, match=re.escape(problem)):
+        check_config(_compose("train", overrides), TRAIN_RULES)
+
+
+@pytest.mark.parametrize("method", ["pcl", "wsddn"])
+def test_the_pcl_and_wsddn_configs_pass_the_checks_and_build(method):
+    cfg = _compose("train", [f"method={method}"])
+    check_config(cfg, TRAIN_RULES)
+    model = build_model({**OmegaConf.to_container(cfg.model), "weights": None}, 5, cfg.method)
+    assert type(model.method).__name__ == {"pcl": "PCLMethod", "wsddn": "WSDDNMethod"}[method]

@@ -259,3 +259,26 @@ def test_every_entry_point_shares_one_setup_that_claims_the_directory_and_leaves
     assert result == "done" and seen == [(out, torch.device("cpu"))]
     assert not (out / "error.txt").exists()  # the earlier attempt's marker goes with success
     assert "claimed out" in (out / "log.txt").read_text()
+
+
+@pytest.mark.parametrize(
+    ("method", "loss_names", "students"),
+    [("pcl", ["loss_mil", "loss_pcl_1", "loss_pcl_2", "loss_pcl_3"], 3), ("wsddn", ["loss_mil"], 0)],
+)
+def test_method_pcl_and_wsddn_train_from_the_command_line_and_their_checkpoints_evaluate(
+    tiny_toy_root, tmp_path, method, loss_names, students
+):
+    # python tools/train.py method=pcl / method=wsddn, a few steps on the tiny toy set.
+    run_dir = tmp_path / method
+    overrides = tiny_overrides(
+        tiny_toy_root, run_dir, **{"method": method, "solver.max_iter": 2, "solver.milestones": "[1]"}
+    )
+    output = _run(["tools/train.py", *overrides])
+    assert "copypaste:" in output
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    train_rows = [row for row in rows if row["kind"] == "train"]
+    assert train_rows and all(name in train_rows[-1] for name in loss_names)
+    assert not any(key.startswith("loss_ref") for key in train_rows[-1])
+    model, metadata = load_detector(run_dir / "model_final.pth")
+    assert metadata["method"]["name"] == method and len(model.students) == students
+    assert list(model.loss_names) == loss_names

@@ -230,12 +230,18 @@ TRAIN_RULES: dict[str, _Rule] = {
         lambda v: v in METHODS or (isinstance(v, str) and (":" in v or "." in v)),
         f"one of {', '.join(METHODS)}, or an import path module:ClassName of your own method",
     ),
-    "method.num_students": _integer(1),
+    "method.num_students": _integer(0),  # 0 only for a method without students (_student_problems)
     "method.first_student_loss_weight": _number(0),
     "method.p": _number(0, 1),
     "method.tau": _number(0, 1),
     "method.suppress": _choice("candidates", "kept"),
     "method.fg_iou": _number(0, 1),
+    "method.kmeans_groups": _integer(2),
+    "method.graph_iou": _number(0, 1),
+    "method.max_remaining": _integer(0),
+    "method.max_centres": _integer(1),
+    "method.bg_iou": _number(0, 1),
+    "method.score_clip": _Rule(lambda v: _is_number(v) and 0 <= v < 0.5, "a number in [0, 0.5)"),
     "solver.optimizer": _choice("sgd", "adamw"),
     "solver.lr": _number(0, above=True),
     "solver.momentum": _number(0, 1),
@@ -330,8 +336,21 @@ def check_config(cfg: DictConfig | Mapping[str, Any], rules: Mapping[str, _Rule]
         )
     if rules is TRAIN_RULES:
         problems += _auto_chunk_problems(flat)
+        problems += _student_problems(flat)
     if problems:
         raise ConfigError("invalid configuration:\n  " + "\n  ".join(problems))
+
+
+def _student_problems(flat: Mapping[str, Any]) -> list[str]:
+    """A built-in method's students: none for WSDDN (the teacher alone), at least one for the others."""
+    name, students = flat.get("method.name"), flat.get("method.num_students")
+    if name not in METHODS or not _is_int(students):
+        return []  # a user's method decides itself (its detector refuses what it cannot train)
+    if not METHODS[name].trains_students and students != 0:
+        return [f"method.num_students={students}: method={name} trains no refinement students; it must be 0"]
+    if METHODS[name].trains_students and students < 1:
+        return [f"method.num_students={students}: method={name} trains refinement students; at least 1"]
+    return []
 
 
 def _auto_chunk_problems(flat: Mapping[str, Any]) -> list[str]:

@@ -24,7 +24,7 @@ scores, the losses and inference all compute in full precision whatever context 
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from functools import partial
 
 import torch
@@ -35,8 +35,9 @@ from torchvision.ops import batched_nms, clip_boxes_to_image, remove_small_boxes
 from wsod.modeling.backbone import Backbone
 from wsod.modeling.box_coder import decode_boxes
 from wsod.modeling.dropblock import ConcreteDropBlock
-from wsod.modeling.method import RefinementMethod
+from wsod.modeling.method import PseudoLabels, RefinementMethod
 from wsod.modeling.mil import MILHead, mil_loss
+from wsod.modeling.pcl import PCLMethod, WSDDNMethod
 from wsod.modeling.refinement import (
     LabelerMethod,
     MISTMethod,
@@ -65,7 +66,12 @@ BACKBONES: dict[str, Callable[..., Backbone]] = {
 }
 # Refinement method name (``configs/method/*.yaml``'s ``name``) -> its class, built with the node's other
 # keys (``wsod.build.build_method``). A new method is one module and one line here.
-METHODS: dict[str, type[RefinementMethod]] = {"mist": MISTMethod, "oicr": OICRMethod}
+METHODS: dict[str, type[RefinementMethod]] = {
+    "mist": MISTMethod,
+    "oicr": OICRMethod,
+    "pcl": PCLMethod,
+    "wsddn": WSDDNMethod,
+}
 
 ImageSize = tuple[int, int]
 Targets = Mapping[str, Tensor]
@@ -98,7 +104,9 @@ class WeaklySupervisedDetector(nn.Module):
         base: images (B, 3, H, W) -> feature map (B, C, H/stride, W/stride).
         roi_head: (feature map, rois (R, 5)) -> ROI features (R, D), e.g. ``RoIFeatureHead``.
         mil_head: the WSDDN teacher, ``MILHead(D, C)``.
-        students: K ``RefinementStudent(D, C)``; at least one (inference averages them).
+        students: K ``RefinementStudent(D, C)``: at least one (inference averages them), with a box
+            regressor iff the method's ``box_regression``; none when the method trains no students
+            (``trains_students`` False, WSDDN: the teacher's ROI scores are the detections).
         method: the refinement method (``MISTMethod()`` when neither it nor ``labeler`` is given): each
             student's pseudo-labels from its predecessor's scores, and that student's losses.
         labeler: instead of ``method``, a plain ``PseudoLabeler`` (``MISTLabeler()``, ``OICRLabeler()``
@@ -124,13 +132,12 @@ class WeaklySupervisedDetector(nn.Module):
         detections_per_image: int = 100,
     ) -> None:
         super().__init__()
-        if len(students) < 1:
-            raise ValueError("the detector needs at least one refinement student")
+        self.method = _as_method(method, labeler, first_student_loss_weight)
+        _check_students(self.method, students)
         self.base = base
         self.roi_head = roi_head
         self.mil_head = mil_head
         self.students = nn.ModuleList(students)
-        self.method = _as_method(method, labeler, first_student_loss_weight)
         self.nms_iou = nms_iou
         self.score_threshold = score_threshold
         self.detections_per_image = detections_per_image
@@ -271,6 +278,28 @@ class WeaklySupervisedDetector(nn.Module):
         counts = [len(p) for p in proposals]
         teacher_scores = self.mil_head(roi_features, counts)  # (R, C+1)
         losses = {"loss_mil": mil_loss(teacher_scores, counts, image_labels)}
+        for k, logits, deltas, records in self._students_and_records(
+            roi_features, proposals, teacher_scores, targets
+        ):
+            losses.update(self.method.losses(k, logits, deltas, records, proposals))
+        if tuple(losses) != self.loss_names:  # what GradNorm and the logs count must be what is returned
+            raise RuntimeError(
+                f"{type(self.method).__name__}.losses returned {list(losses)[1:]} but its loss_names"
+                f"({len(self.students)}) are {list(self.loss_names)[1:]}: make the two agree, names and order"
+            )
+        return losses
+
+    def _students_and_records(
+        self,
+        roi_features: Tensor,
+        proposals: Sequence[Tensor],
+        teacher_scores: Tensor,
+        targets: Sequence[Targets],
+    ) -> Iterator[tuple[int, Tensor, Tensor | None, list[PseudoLabels]]]:
+        """The chain of students: per student k = 1..K, (k, its logits (R, C+1), its deltas, one
+        ``PseudoLabels`` per image from its predecessor's scores: the teacher's for k = 1, the softmax
+        of student k-1 after)."""
+        counts = [len(p) for p in proposals]
         source_scores = teacher_scores.detach()
         for k, student in enumerate(self.students, start=1):
             logits, deltas = student(roi_features)
@@ -280,14 +309,26 @@ class WeaklySupervisedDetector(nn.Module):
                     self.method.pseudo_labels(k, boxes, scores[:, 1:], target)  # column 0: background
                     for boxes, scores, target in per_image
                 ]
-            losses.update(self.method.losses(k, logits, deltas, records, proposals))
+            yield k, logits, deltas, records
             source_scores = F.softmax(logits.detach(), dim=1)
-        if tuple(losses) != self.loss_names:  # what GradNorm and the logs count must be what is returned
-            raise RuntimeError(
-                f"{type(self.method).__name__}.losses returned {list(losses)[1:]} but its loss_names"
-                f"({len(self.students)}) are {list(self.loss_names)[1:]}: make the two agree, names and order"
-            )
-        return losses
+
+    @torch.no_grad()
+    def pseudo_labels(
+        self, images: Tensor, proposals: Sequence[Tensor], targets: Sequence[Targets]
+    ) -> list[list[PseudoLabels]]:
+        """What each student would learn from on these images now: ``[student k - 1][image i]`` the
+        ``PseudoLabels`` the method makes (in the resized image's pixels), the chain of source scores
+        as in training. For looking at (the training previews); runs in the module's current mode
+        (call ``eval()`` first for previews: no dropout, no DropBlock, no statistics updated) and
+        without gradients. ``[]`` for a method without students."""
+        self._check_inputs(images, proposals)
+        _, targets = self._training_targets(len(proposals), None, targets)
+        roi_features = self.roi_features(images, proposals)
+        with _autocast_off(roi_features):
+            roi_features = _full_precision(roi_features)
+            teacher_scores = self.mil_head(roi_features, [len(p) for p in proposals])
+            chain = self._students_and_records(roi_features, proposals, teacher_scores, targets)
+            return [records for _, _, _, records in chain]
 
     def predict_rois(
         self,
@@ -299,8 +340,10 @@ class WeaklySupervisedDetector(nn.Module):
         """Per-ROI predictions before NMS, for post-processing and test-time augmentation.
 
         Averages the students' class probabilities and box deltas, decodes each class's box, clips it to
-        the resized image and maps it to original pixels. Returns per image (scores (R_i, C+1),
-        boxes (R_i, C+1, 4)), column 0 being background. Full precision, like ``losses``.
+        the resized image and maps it to original pixels. Without box regression (PCL) each class's box
+        is the proposal's; without students (WSDDN) the scores are the MIL teacher's ROI scores.
+        Returns per image (scores (R_i, C+1), boxes (R_i, C+1, 4)), column 0 being background. Full
+        precision, like ``losses``.
         """
         with _autocast_off(roi_features):
             return self._predict_rois(_full_precision(roi_features), proposals, image_sizes, original_sizes)
@@ -312,11 +355,17 @@ class WeaklySupervisedDetector(nn.Module):
         image_sizes: Sequence[ImageSize],
         original_sizes: Sequence[ImageSize],
     ) -> list[tuple[Tensor, Tensor]]:
-        outputs = [student(roi_features) for student in self.students]
-        probs = torch.stack([F.softmax(logits, dim=1) for logits, _ in outputs]).mean(dim=0)
-        deltas = torch.stack([d for _, d in outputs]).mean(dim=0)
         rois = torch.cat(list(proposals))
-        boxes = decode_boxes(deltas, rois)
+        num_columns = self.num_classes + 1
+        outputs = [student(roi_features) for student in self.students]
+        if outputs:
+            probs = torch.stack([F.softmax(logits, dim=1) for logits, _ in outputs]).mean(dim=0)
+        else:  # WSDDN: softmax over classes x softmax over each image's ROIs, as the MIL loss sees them
+            probs = self.mil_head(roi_features, [len(p) for p in proposals])
+        if self.method.box_regression and outputs:
+            boxes = decode_boxes(torch.stack([d for _, d in outputs]).mean(dim=0), rois)
+        else:  # every class keeps the proposal's box
+            boxes = rois[:, None, :].expand(-1, num_columns, 4)
         results = []
         for image_probs, image_boxes, size, original in zip(
             probs.split([len(p) for p in proposals]),
@@ -358,6 +407,30 @@ class WeaklySupervisedDetector(nn.Module):
         kept = batched_nms(fg_boxes.float(), fg_scores.float(), fg_labels, self.nms_iou)
         kept = kept[: self.detections_per_image]
         return {"boxes": fg_boxes[kept], "scores": fg_scores[kept], "labels": fg_labels[kept]}
+
+
+def _check_students(method: RefinementMethod, students: Sequence[RefinementStudent]) -> None:
+    """The students must be what ``method`` trains: none for a method without students, at least one
+    otherwise, each with a box regressor iff the method regresses boxes."""
+    name = type(method).__name__
+    if not method.trains_students:
+        if len(students):
+            raise ValueError(
+                f"{name} trains no refinement students (its detections are the MIL teacher's): build the"
+                f" detector with num_students=0, got {len(students)} students"
+            )
+        return
+    if len(students) < 1:
+        raise ValueError(
+            f"{name} trains refinement students: the detector needs at least one (num_students >= 1)"
+        )
+    wrong = [k for k, s in enumerate(students, start=1) if s.box_regression != method.box_regression]
+    if wrong:
+        has = "has" if method.box_regression else "has no"
+        raise ValueError(
+            f"{name} {has} box regression, but students {wrong} {'lack' if method.box_regression else 'have'}"
+            " a box regressor: build them with RefinementStudent(..., box_regression=method.box_regression)"
+        )
 
 
 def _as_method(
@@ -413,6 +486,11 @@ def detector_from_backbone(
     (``ConcreteDropBlock(backbone.channels, hidden_channels=dropblock_hidden)``), trained by the
     adversarial step of ``wsod.engine.adversarial``. ``detector_options`` go to
     ``WeaklySupervisedDetector`` (``method`` or ``labeler``, post-processing)."""
+    method = _as_method(
+        detector_options.pop("method", None),
+        detector_options.pop("labeler", None),
+        detector_options.pop("first_student_loss_weight", None),
+    )
     block = ConcreteDropBlock(backbone.channels, hidden_channels=dropblock_hidden) if dropblock else None
     roi_pooler = build_roi_pooler(
         backbone.pooler if pooler is None else pooler,
@@ -432,7 +510,11 @@ def detector_from_backbone(
         base=backbone.base,
         roi_head=roi_head,
         mil_head=MILHead(backbone.feature_dim, num_classes),
-        students=[RefinementStudent(backbone.feature_dim, num_classes) for _ in range(num_students)],
+        students=[
+            RefinementStudent(backbone.feature_dim, num_classes, box_regression=method.box_regression)
+            for _ in range(num_students)
+        ],
+        method=method,
         **detector_options,
     )
 

@@ -29,6 +29,7 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
+from typing import ClassVar
 
 import torch
 from torch import Tensor
@@ -50,12 +51,19 @@ class PseudoLabels:
         zeros where nothing is regressed;
     extra: any other field the method's loss needs, per ROI (R, ...) or per image (e.g. a cluster id
         per ROI and a score per cluster); the method's ``losses`` is the only reader.
+    pseudo_boxes (G, 4), pseudo_classes (G,) int64 (foreground class 0..C-1), pseudo_scores (G,): the
+        pseudo ground-truth boxes the ROIs were labelled against (MIST's picks, OICR's top boxes, PCL's
+        cluster centres), when the method has such boxes; what the training previews draw. None when
+        the method does not say.
     """
 
     labels: Tensor
     weights: Tensor
     targets: Tensor
     extra: dict[str, Tensor] = field(default_factory=dict)
+    pseudo_boxes: Tensor | None = None
+    pseudo_classes: Tensor | None = None
+    pseudo_scores: Tensor | None = None
 
     def __post_init__(self) -> None:
         if self.labels.dim() != 1 or self.labels.dtype != torch.int64:
@@ -69,6 +77,24 @@ class PseudoLabels:
                 f" got {tuple(self.weights.shape)} and {tuple(self.targets.shape)}"
             )
 
+        given = [t is not None for t in (self.pseudo_boxes, self.pseudo_classes, self.pseudo_scores)]
+        if any(given) and not all(given):
+            raise ValueError(
+                "PseudoLabels: give pseudo_boxes, pseudo_classes and pseudo_scores together, or none"
+            )
+        if all(given):
+            count = self.pseudo_boxes.shape[0]
+            if (
+                self.pseudo_boxes.shape != (count, 4)
+                or self.pseudo_classes.shape != (count,)
+                or self.pseudo_scores.shape != (count,)
+            ):
+                raise ValueError(
+                    f"PseudoLabels: pseudo_boxes must be (G, 4), pseudo_classes and pseudo_scores (G,), got"
+                    f" {tuple(self.pseudo_boxes.shape)}, {tuple(self.pseudo_classes.shape)},"
+                    f" {tuple(self.pseudo_scores.shape)}"
+                )
+
     def __len__(self) -> int:
         return self.labels.shape[0]
 
@@ -79,7 +105,15 @@ class RefinementMethod(ABC):
     ``student`` is the student's number k = 1..K, as in the loss names (student 1 learns from the MIL
     teacher). Every tensor is in full precision (the detector casts reduced-precision ROI features up
     and turns autocast off before calling a method).
+
+    Two class attributes say what the detector builds for the method: ``box_regression`` (False: the
+    students have no box regressor, ``losses`` receives ``deltas=None`` and inference keeps each
+    proposal's own box, as PCL's reference does) and ``trains_students`` (False: no students at all,
+    K = 0, and the MIL teacher's ROI scores are the detections: WSDDN).
     """
+
+    box_regression: ClassVar[bool] = True
+    trains_students: ClassVar[bool] = True
 
     @abstractmethod
     def loss_names(self, num_students: int) -> tuple[str, ...]:
@@ -99,10 +133,10 @@ class RefinementMethod(ABC):
         self,
         student: int,
         logits: Tensor,
-        deltas: Tensor,
+        deltas: Tensor | None,
         records: Sequence[PseudoLabels],
         proposals: Sequence[Tensor],
     ) -> dict[str, Tensor]:
         """The student's named scalar losses: logits (R, C+1) (column 0 background) and box deltas
-        (R, 4 (C+1)) of the whole batch (images concatenated in order, R = sum R_i); records and
-        proposals (R_i, 4) one per image, in the same order."""
+        (R, 4 (C+1); None when ``box_regression`` is False) of the whole batch (images concatenated in
+        order, R = sum R_i); records and proposals (R_i, 4) one per image, in the same order."""

@@ -39,7 +39,10 @@ __all__ = [
     "LabelerMethod",
     "MISTMethod",
     "OICRMethod",
+    "PseudoBoxes",
+    "mist_pseudo_boxes",
     "mist_pseudo_labels",
+    "oicr_pseudo_boxes",
     "oicr_pseudo_labels",
     "refinement_losses",
 ]
@@ -58,16 +61,25 @@ class PseudoLabeler(Protocol):
 
 
 class RefinementStudent(nn.Module):
-    """One student: a (C+1)-way classifier (column 0 = background) and a class-specific box regressor."""
+    """One student: a (C+1)-way classifier (column 0 = background) and, with ``box_regression`` (the
+    default), a class-specific box regressor."""
 
-    def __init__(self, in_features: int, num_classes: int) -> None:
+    def __init__(self, in_features: int, num_classes: int, *, box_regression: bool = True) -> None:
         super().__init__()
         self.cls_score = init_linear(nn.Linear(in_features, num_classes + 1))
-        self.bbox_pred = init_linear(nn.Linear(in_features, 4 * (num_classes + 1)))
+        self.bbox_pred = (
+            init_linear(nn.Linear(in_features, 4 * (num_classes + 1))) if box_regression else None
+        )
 
-    def forward(self, roi_features: Tensor) -> tuple[Tensor, Tensor]:
-        """roi_features (R, D) -> logits (R, C+1), box deltas (R, 4 (C+1)) laid out class by class."""
-        return self.cls_score(roi_features), self.bbox_pred(roi_features)
+    @property
+    def box_regression(self) -> bool:
+        return self.bbox_pred is not None
+
+    def forward(self, roi_features: Tensor) -> tuple[Tensor, Tensor | None]:
+        """roi_features (R, D) -> logits (R, C+1), box deltas (R, 4 (C+1)) laid out class by class (None
+        without a box regressor)."""
+        deltas = None if self.bbox_pred is None else self.bbox_pred(roi_features)
+        return self.cls_score(roi_features), deltas
 
 
 def _suppress_candidates(candidates: Tensor, tau: float, suppress: str) -> Tensor:
@@ -119,6 +131,54 @@ def _assign_to_pseudo_boxes(
     return labels, weights, targets
 
 
+PseudoBoxes = tuple[Tensor, Tensor, Tensor]  # boxes (G, 4), classes (G,) int64 in 0..C-1, scores (G,)
+
+
+def _check_scores(proposals: Tensor, scores: Tensor, image_labels: Tensor) -> None:
+    num_rois = proposals.shape[0]
+    if scores.shape != (num_rois, image_labels.shape[0]):
+        raise ValueError(
+            f"scores must be (R, C) = ({num_rois}, {image_labels.shape[0]}), got {tuple(scores.shape)}"
+        )
+
+
+def _no_boxes(proposals: Tensor, scores: Tensor) -> PseudoBoxes:
+    return (
+        proposals.new_zeros(0, 4),
+        torch.zeros(0, dtype=torch.int64, device=proposals.device),
+        scores.new_zeros(0),
+    )
+
+
+@torch.no_grad()
+def mist_pseudo_boxes(
+    proposals: Tensor,
+    scores: Tensor,
+    image_labels: Tensor,
+    *,
+    p: float = 0.15,
+    tau: float = 0.2,
+    suppress: str = "candidates",
+) -> PseudoBoxes:
+    """MIST's pseudo ground-truth boxes for one image: for each class present in ``image_labels``, the
+    top ``max(1, int(p * R))`` proposals by score, the first and each later one whose IoU with the
+    earlier ones is < ``tau`` (all higher-ranked candidates for ``suppress="candidates"``, the reference
+    code's rule; only the kept ones for ``suppress="kept"``, the paper's Algorithm 1), each carrying its
+    score. Returns (boxes (G, 4), classes (G,) int64, scores (G,)), class by class in ascending order."""
+    _check_scores(proposals, scores, image_labels)
+    top_k = max(1, int(p * proposals.shape[0]))  # the reference code crashes when int(p R) == 0
+    boxes, classes, box_scores = [], [], []
+    for c in (image_labels > 0).nonzero().flatten().tolist():
+        order = torch.sort(scores[:, c], descending=True, stable=True).indices[:top_k]
+        kept = order[_suppress_candidates(proposals[order], tau, suppress)]
+        boxes.append(proposals[kept])
+        classes.append(torch.full_like(kept, c))
+        box_scores.append(scores[kept, c])
+    if not boxes:
+        return _no_boxes(proposals, scores)
+    return torch.cat(boxes), torch.cat(classes), torch.cat(box_scores)
+
+
 @torch.no_grad()
 def mist_pseudo_labels(
     proposals: Tensor,
@@ -130,13 +190,8 @@ def mist_pseudo_labels(
     fg_iou: float = 0.5,
     suppress: str = "candidates",
 ) -> tuple[Tensor, Tensor, Tensor]:
-    """MIST pseudo ground truth for one image.
-
-    For each class present in ``image_labels``: take the top ``max(1, int(p * R))`` proposals by score,
-    keep the first and each later one whose IoU with the earlier ones is < ``tau`` (all higher-ranked
-    candidates for ``suppress="candidates"``, the reference code's rule; only the kept ones for
-    ``suppress="kept"``, the paper's Algorithm 1). Kept boxes become pseudo boxes of that class carrying
-    their score. Then each ROI is assigned to its pseudo box of maximal IoU.
+    """MIST pseudo ground truth for one image: the pseudo boxes of ``mist_pseudo_boxes``, then each ROI
+    assigned to its pseudo box of maximal IoU.
 
     Args:
         proposals: (R, 4) xyxy boxes with positive width and height.
@@ -148,53 +203,21 @@ def mist_pseudo_labels(
         weights (R,): score of the assigned pseudo box (background ROIs too; all 0 if no class present);
         targets (R, 4): BoxCoder (10, 10, 5, 5) encoding of the assigned box, zeros for background.
     """
-    num_rois = proposals.shape[0]
-    if scores.shape != (num_rois, image_labels.shape[0]):
-        raise ValueError(
-            f"scores must be (R, C) = ({num_rois}, {image_labels.shape[0]}), got {tuple(scores.shape)}"
-        )
-    top_k = max(1, int(p * num_rois))  # the reference code crashes when int(p R) == 0
-    boxes, classes, box_scores = [], [], []
-    for c in (image_labels > 0).nonzero().flatten().tolist():
-        order = torch.sort(scores[:, c], descending=True, stable=True).indices[:top_k]
-        kept = order[_suppress_candidates(proposals[order], tau, suppress)]
-        boxes.append(proposals[kept])
-        classes.append(torch.full_like(kept, c))
-        box_scores.append(scores[kept, c])
-    if not boxes:
-        return _assign_to_pseudo_boxes(
-            proposals,
-            proposals.new_zeros(0, 4),
-            proposals.new_zeros(0, dtype=torch.int64),
-            scores.new_zeros(0),
-            fg_iou,
-        )
-    return _assign_to_pseudo_boxes(
-        proposals, torch.cat(boxes), torch.cat(classes), torch.cat(box_scores), fg_iou
-    )
+    boxes = mist_pseudo_boxes(proposals, scores, image_labels, p=p, tau=tau, suppress=suppress)
+    return _assign_to_pseudo_boxes(proposals, *boxes, fg_iou)
 
 
 @torch.no_grad()
-def oicr_pseudo_labels(
-    proposals: Tensor, scores: Tensor, image_labels: Tensor, *, fg_iou: float = 0.5
-) -> tuple[Tensor, Tensor, Tensor]:
-    """OICR pseudo ground truth for one image (Tang et al., CVPR 2017; reference ``oicr_layer``).
+def oicr_pseudo_boxes(proposals: Tensor, scores: Tensor, image_labels: Tensor) -> PseudoBoxes:
+    """OICR's pseudo ground-truth boxes for one image (Tang et al., CVPR 2017; reference ``oicr_layer``).
 
     The classes present in ``image_labels`` take one pseudo box each, in ascending class order: the
     proposal of highest score for that class (the first such proposal on ties), carrying that score.
     A taken proposal is blanked: its scores become 0 for every class, so a later class takes its best
     proposal among those no earlier class took (with scores >= 0, as the source scores are, a blanked
     proposal can be taken again only when every remaining score of that class is 0; it then carries 0).
-    Each ROI is then assigned to its pseudo box of maximal IoU and is foreground when that IoU is
-    **above** ``fg_iou`` (strict; MIST's ``fg_iou`` is inclusive, IoU >= ``fg_iou``). Arguments and
-    returns as ``mist_pseudo_labels``; regression targets are the same encoding as MIST's (the
-    reference code's OICR path has no box regression).
     """
-    num_rois = proposals.shape[0]
-    if scores.shape != (num_rois, image_labels.shape[0]):
-        raise ValueError(
-            f"scores must be (R, C) = ({num_rois}, {image_labels.shape[0]}), got {tuple(scores.shape)}"
-        )
+    _check_scores(proposals, scores, image_labels)
     remaining = scores.clone()
     taken, classes, box_scores = [], [], []
     for c in (image_labels > 0).nonzero().flatten().tolist():
@@ -203,15 +226,28 @@ def oicr_pseudo_labels(
         classes.append(c)
         box_scores.append(remaining[top, c].clone())
         remaining[top] = 0
+    if not taken:
+        return _no_boxes(proposals, scores)
     index = torch.tensor(taken, dtype=torch.int64, device=proposals.device)
-    return _assign_to_pseudo_boxes(
-        proposals,
+    return (
         proposals[index],
         torch.tensor(classes, dtype=torch.int64, device=proposals.device),
-        torch.stack(box_scores) if box_scores else scores.new_zeros(0),
-        fg_iou,
-        strict=True,
+        torch.stack(box_scores),
     )
+
+
+@torch.no_grad()
+def oicr_pseudo_labels(
+    proposals: Tensor, scores: Tensor, image_labels: Tensor, *, fg_iou: float = 0.5
+) -> tuple[Tensor, Tensor, Tensor]:
+    """OICR pseudo ground truth for one image: the boxes of ``oicr_pseudo_boxes``, then each ROI
+    assigned to its pseudo box of maximal IoU, foreground when that IoU is **above** ``fg_iou``
+    (strict; MIST's ``fg_iou`` is inclusive, IoU >= ``fg_iou``). Arguments and returns as
+    ``mist_pseudo_labels``; regression targets are the same encoding as MIST's (the reference code's
+    OICR path has no box regression).
+    """
+    boxes = oicr_pseudo_boxes(proposals, scores, image_labels)
+    return _assign_to_pseudo_boxes(proposals, *boxes, fg_iou, strict=True)
 
 
 @dataclass(frozen=True)
@@ -231,15 +267,17 @@ class MISTLabeler:
             raise ValueError(f"MIST's top fraction p must be in [0, 1], got {self.p}")
 
     def __call__(self, proposals: Tensor, scores: Tensor, image_labels: Tensor) -> LabelTriple:
-        return mist_pseudo_labels(
-            proposals,
-            scores,
-            image_labels,
-            p=self.p,
-            tau=self.tau,
-            fg_iou=self.fg_iou,
-            suppress=self.suppress,
+        return self.assign(proposals, self.pseudo_boxes(proposals, scores, image_labels))
+
+    def pseudo_boxes(self, proposals: Tensor, scores: Tensor, image_labels: Tensor) -> PseudoBoxes:
+        """The image's pseudo boxes (``mist_pseudo_boxes``)."""
+        return mist_pseudo_boxes(
+            proposals, scores, image_labels, p=self.p, tau=self.tau, suppress=self.suppress
         )
+
+    def assign(self, proposals: Tensor, pseudo_boxes: PseudoBoxes) -> LabelTriple:
+        """Per-ROI labels, weights, targets against ``pseudo_boxes`` (IoU >= ``fg_iou``: foreground)."""
+        return _assign_to_pseudo_boxes(proposals, *pseudo_boxes, self.fg_iou)
 
 
 @dataclass(frozen=True)
@@ -250,7 +288,15 @@ class OICRLabeler:
     fg_iou: float = 0.5
 
     def __call__(self, proposals: Tensor, scores: Tensor, image_labels: Tensor) -> LabelTriple:
-        return oicr_pseudo_labels(proposals, scores, image_labels, fg_iou=self.fg_iou)
+        return self.assign(proposals, self.pseudo_boxes(proposals, scores, image_labels))
+
+    def pseudo_boxes(self, proposals: Tensor, scores: Tensor, image_labels: Tensor) -> PseudoBoxes:
+        """The image's pseudo boxes (``oicr_pseudo_boxes``)."""
+        return oicr_pseudo_boxes(proposals, scores, image_labels)
+
+    def assign(self, proposals: Tensor, pseudo_boxes: PseudoBoxes) -> LabelTriple:
+        """Per-ROI labels, weights, targets against ``pseudo_boxes`` (IoU > ``fg_iou``: foreground)."""
+        return _assign_to_pseudo_boxes(proposals, *pseudo_boxes, self.fg_iou, strict=True)
 
 
 def refinement_losses(
@@ -311,7 +357,15 @@ class LabelerMethod(RefinementMethod):
     def pseudo_labels(
         self, student: int, proposals: Tensor, scores: Tensor, targets: Mapping[str, Tensor]
     ) -> PseudoLabels:
-        return PseudoLabels(*self.labeler(proposals, scores, targets["labels"]))
+        image_labels = targets["labels"]
+        if not (hasattr(self.labeler, "pseudo_boxes") and hasattr(self.labeler, "assign")):
+            return PseudoLabels(*self.labeler(proposals, scores, image_labels))
+        # A labeller that names its pseudo boxes (MIST, OICR): the record keeps them for the previews.
+        boxes = self.labeler.pseudo_boxes(proposals, scores, image_labels)
+        labels, weights, targets_ = self.labeler.assign(proposals, boxes)
+        return PseudoLabels(
+            labels, weights, targets_, pseudo_boxes=boxes[0], pseudo_classes=boxes[1], pseudo_scores=boxes[2]
+        )
 
     def losses(
         self,
