@@ -28,6 +28,8 @@ from pathlib import Path
 
 import pytest
 from hydra import compose, initialize_config_dir
+from hydra._internal.core_plugins.basic_sweeper import BasicSweeper  # the sweep expansion -m runs
+from hydra.core.override_parser.overrides_parser import OverridesParser
 from omegaconf import OmegaConf
 
 from wsod.config_checks import EVAL_RULES, PREDICT_RULES, TRAIN_RULES, check_config
@@ -99,6 +101,16 @@ def _is_placeholder(word: str) -> bool:
     return "..." in word or "<" in word or ">" in word
 
 
+def _jobs(arguments: list[str]) -> list[list[str]]:
+    """The overrides of each job a command runs: itself, or with ``-m`` (Hydra's multirun) every
+    combination of its comma-separated values, expanded by Hydra's own basic sweeper."""
+    if "-m" not in arguments and "--multirun" not in arguments:
+        return [arguments]
+    overrides = [a for a in arguments if a not in ("-m", "--multirun")]
+    (jobs,) = BasicSweeper.split_arguments(OverridesParser.create().parse_overrides(overrides), None)
+    return jobs
+
+
 class _Parsed(Exception):
     """Raised instead of running a tool once its parser has accepted the arguments."""
 
@@ -117,14 +129,15 @@ def test_each_documented_command_is_valid(document, command, monkeypatch):
     tool, arguments = _tool_and_arguments(command)
     if tool in HYDRA_TOOLS:
         config_name, rules = HYDRA_TOOLS[tool]
-        overrides = [a for a in arguments if not _is_placeholder(a)]
-        with initialize_config_dir(config_dir=str(ROOT / "configs"), version_base="1.3"):
-            cfg = compose(config_name=config_name, overrides=overrides)
-        for word in arguments:  # a required value shown as a placeholder (checkpoint=...) is the reader's
-            key = word.split("=", 1)[0]
-            if _is_placeholder(word) and "=" in word and OmegaConf.is_missing(cfg, key):
-                OmegaConf.update(cfg, key, "placeholder")
-        check_config(cfg, rules)
+        for job in _jobs([a for a in arguments if not _is_placeholder(a)]):
+            with initialize_config_dir(config_dir=str(ROOT / "configs"), version_base="1.3"):
+                cfg = compose(config_name=config_name, overrides=job, return_hydra_config=True)
+            cfg = OmegaConf.masked_copy(cfg, [key for key in cfg if key != "hydra"])
+            for word in arguments:  # a required value shown as a placeholder (checkpoint=...) is the reader's
+                key = word.split("=", 1)[0]
+                if _is_placeholder(word) and "=" in word and OmegaConf.is_missing(cfg, key):
+                    OmegaConf.update(cfg, key, "placeholder")
+            check_config(cfg, rules)
         return
     if tool.endswith(".sh"):  # a shell script: it exists and bash parses it (its dry run is tested elsewhere)
         subprocess.run(["bash", "-n", str(ROOT / "tools" / tool)], check=True)

@@ -202,6 +202,8 @@ TRAIN_RULES: dict[str, _Rule] = {
     "keep_checkpoints": _integer(1),
     "eval_period": _integer(0),
     "max_nonfinite": _integer(1),
+    "pseudo_label_preview.period": _integer(0),
+    "pseudo_label_preview.images": _integer(1),
     "model.backbone": _choice(*BACKBONES),
     "model.weights": _Rule(
         lambda v: v is None or _name("").accepts(v),

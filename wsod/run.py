@@ -7,6 +7,13 @@ runs; the device and CPU threads are set; the output directory is chosen (once, 
 claimed; the log goes to its ``log.txt``; a run that ends in an error leaves ``error.txt`` there, and one
 that succeeds removes an earlier attempt's.
 
+Sweeps (``python tools/train.py -m method=mist,oicr seed=1,2,3 hydra.sweep.dir=runs/methods``, Hydra's
+multirun, one job after the other): each training job's run directory is
+``<hydra.sweep.dir>/<hydra.sweep.subdir>``, i.e. ``runs/methods/method=mist,seed=1``
+(configs/train.yaml), unless ``output_dir`` names one (``sweep_job_dir``). Hydra writes no file of its
+own there: ``DiscardMultirunYaml`` removes the ``multirun.yaml`` it saves in the sweep directory (each
+run's ``config.yaml`` and ``log.txt`` hold the settings and the command).
+
 ``predict_from_config`` (tools/predict.py, configs/predict.yaml): a checkpoint and some images in
 (``input=``: an image file, a folder or a glob pattern, ``wsod.data.images``), detections out. Proposals
 come from Selective Search on each image as it is loaded (OpenCV's "fast" strategy by default), or are
@@ -39,6 +46,8 @@ from typing import Any, TypeVar
 
 import torch
 from hydra.core.hydra_config import HydraConfig
+from hydra.experimental.callback import Callback
+from hydra.types import RunMode
 from omegaconf import DictConfig, OmegaConf
 
 from wsod.build import (
@@ -84,6 +93,8 @@ from wsod.engine.checkpoint import (
 )
 from wsod.engine.evaluate import Evaluation, Evaluator, write_evaluation
 from wsod.engine.inference import predict
+from wsod.engine.pseudo_label_preview import TAG as PREVIEW_TAG
+from wsod.engine.pseudo_label_preview import PseudoLabelPreview
 from wsod.engine.run_log import RunLog
 from wsod.engine.train import train
 from wsod.engine.visualize import draw_detections, save_png
@@ -97,19 +108,52 @@ __all__ = [
     "setup_distributed",
     "setup_logging",
     "choose_output_dir",
+    "sweep_job_dir",
+    "DiscardMultirunYaml",
 ]
 
 logger = logging.getLogger("wsod")
 T = TypeVar("T")
 
 
-def choose_output_dir(output_dir: str | None, parent: str) -> Path:
-    """``output_dir``, or ``<parent>/<date>_<time>`` when it is null, chosen once by the main process
-    and shared: under torchrun every rank must write to (and resume from) the same directory, and
-    clocks read one by one can fall on both sides of a second."""
+def choose_output_dir(output_dir: str | None, parent: str, sweep: bool = False) -> Path:
+    """``output_dir``; when it is null, with ``sweep`` and under a Hydra multirun the job's own
+    ``sweep_job_dir()``, else ``<parent>/<date>_<time>``. Chosen once by the main process and shared:
+    under torchrun every rank must write to (and resume from) the same directory, and clocks read one by
+    one can fall on both sides of a second (a sweep directory's ``${now:...}`` too)."""
     if output_dir is None and is_main_process():
-        output_dir = str(Path(parent) / time.strftime("%Y-%m-%d_%H-%M-%S"))
+        job_dir = sweep_job_dir() if sweep else None
+        output_dir = job_dir or str(Path(parent) / time.strftime("%Y-%m-%d_%H-%M-%S"))
     return Path(broadcast_object(output_dir))
+
+
+def _multirun() -> bool:
+    """Whether this process runs a job of a Hydra multirun (``-m``); False outside Hydra (tests, Python)."""
+    return HydraConfig.initialized() and HydraConfig.get().mode == RunMode.MULTIRUN
+
+
+def sweep_job_dir() -> str | None:
+    """This multirun job's directory, ``<hydra.sweep.dir>/<hydra.sweep.subdir>`` as Hydra resolved them
+    (relative paths stay relative, like ``runs/<date>_<time>``); None outside a multirun."""
+    if not _multirun():
+        return None
+    hydra = HydraConfig.get()
+    return str(Path(str(hydra.sweep.dir)) / str(hydra.sweep.subdir))
+
+
+class DiscardMultirunYaml(Callback):
+    """A Hydra callback (``hydra.callbacks`` in configs/train.yaml) that removes the ``multirun.yaml``
+    Hydra 1.3's basic sweeper saves in the sweep directory whatever ``hydra.output_subdir`` says, so that
+    Hydra leaves no file of its own beside the run directories (each run writes its ``config.yaml``).
+
+    At the start of each job: the sweeper writes the file after ``on_multirun_start``, and
+    ``on_multirun_end`` is skipped when a job fails. A sweep refused before its first job (a mistyped key)
+    leaves it behind, with the sweep directory Hydra made.
+    """
+
+    def on_job_start(self, config: DictConfig, **kwargs: Any) -> None:
+        if config.hydra.mode == RunMode.MULTIRUN:
+            (Path(str(config.hydra.sweep.dir)) / "multirun.yaml").unlink(missing_ok=True)
 
 
 def _run_in_directory(
@@ -118,17 +162,20 @@ def _run_in_directory(
     parent: str,
     body: Callable[[Path, DictConfig, torch.device], T],
     claim: Callable[[Path, DictConfig], str | None] | None = None,
+    sweep: bool = False,
 ) -> T:
     """``body(directory, cfg, device)`` with what every entry point does around it (the module docstring).
 
     ``claim(directory, cfg)`` runs before anything is written there: it refuses a directory this run must
     not write to, or prepares it, and returns a line to log once logging has started (or None).
+    ``sweep``: under a Hydra multirun, a null ``output_dir`` is the job's sweep directory
+    (``choose_output_dir``).
     """
     main = is_main_process()
     device = resolve_device(cfg.device)
     if device.type == "cpu" and cfg.threads:
         torch.set_num_threads(cfg.threads)
-    directory = choose_output_dir(output_dir, parent)
+    directory = choose_output_dir(output_dir, parent, sweep=sweep)
     note = claim(directory, cfg) if claim is not None else None
     directory.mkdir(parents=True, exist_ok=True)
     setup_logging(directory, main)
@@ -163,9 +210,11 @@ def train_from_config(cfg: DictConfig) -> dict[str, Any]:
 
 
 def _train(cfg: DictConfig) -> dict[str, Any]:
-    if cfg.resume and cfg.output_dir is None:
+    # A sweep's job knows its directory: rerunning the sweep with resume=true continues each job's run
+    # (configs/train.yaml keeps resume out of the directory name).
+    if cfg.resume and cfg.output_dir is None and not _multirun():
         raise ConfigError("resume=true needs the run to continue: output_dir=runs/<the run's directory>")
-    return _run_in_directory(cfg, cfg.output_dir, "runs", _train_in, claim=_refuse_another_run)
+    return _run_in_directory(cfg, cfg.output_dir, "runs", _train_in, claim=_refuse_another_run, sweep=True)
 
 
 def _refuse_another_run(run_dir: Path, cfg: DictConfig) -> None:
@@ -182,6 +231,9 @@ def _train_in(run_dir: Path, cfg: DictConfig, device: torch.device) -> dict[str,
     resume_from = latest_valid_checkpoint(run_dir) if cfg.resume else None
     if main:
         logger.info("command: %s", " ".join(sys.argv))
+        if _multirun():  # the command is the whole sweep's: say which of its jobs this is
+            hydra = HydraConfig.get()
+            logger.info("sweep job #%s: %s", hydra.job.num, " ".join(hydra.overrides.task) or "(no override)")
         logger.info("run directory %s, device %s, %d process(es)", run_dir, device, get_world_size())
     resumed_at = None
     if resume_from is None:
@@ -221,6 +273,7 @@ def _train_in(run_dir: Path, cfg: DictConfig, device: torch.device) -> dict[str,
         train_set, cfg.solver.ims_per_batch, num_workers=cfg.data.train.num_workers, seed=cfg.seed,
         pin_memory=device.type == "cuda",
     )  # fmt: skip
+    preview = _pseudo_label_preview(cfg, train_set, device) if main else None  # main process only
     metadata = {
         "model": resolved["model"],
         "method": resolved["method"],
@@ -238,6 +291,7 @@ def _train_in(run_dir: Path, cfg: DictConfig, device: torch.device) -> dict[str,
             accumulation=cfg.solver.accumulation, amp=cfg.solver.amp, resume_from=resume_from,
             log_period=cfg.log_period, evaluator=evaluator, eval_period=cfg.eval_period,
             companions=companions, max_nonfinite=cfg.max_nonfinite, progress=cfg.progress,
+            preview=preview,
         )  # fmt: skip
         final = _final_evaluation(model, evaluator, run_dir, cfg.random_baseline)
         write_evaluation(final, evaluator.dataset, run_dir / "eval")
@@ -247,6 +301,23 @@ def _train_in(run_dir: Path, cfg: DictConfig, device: torch.device) -> dict[str,
     summary["best"] = checkpointer.best
     summary["final"] = {**final.metrics, **final.extra}
     return summary
+
+
+def _pseudo_label_preview(cfg: DictConfig, train_set: Any, device: torch.device) -> PseudoLabelPreview | None:
+    """The tensorboard previews of each student's pseudo-labels (``cfg.pseudo_label_preview``), or None
+    when ``period`` is 0: the first ``images`` training images at the first training scale."""
+    settings = cfg.pseudo_label_preview
+    if not settings.period:
+        return None
+    preview = PseudoLabelPreview.from_dataset(
+        train_set, train_set.classes, num_images=settings.images, scale=cfg.data.train.scales[0],
+        max_size=cfg.data.train.max_size, period=settings.period, device=device,
+    )  # fmt: skip
+    logger.info(
+        "pseudo-label previews every %d steps: %d training image(s) x each student, tensorboard %s/...",
+        settings.period, len(preview.images), PREVIEW_TAG,
+    )  # fmt: skip
+    return preview
 
 
 class FinalEvaluationError(RuntimeError):

@@ -8,7 +8,8 @@ What the loop leaves to others: which files are saved, and when, is the ``Checkp
 (``wsod.engine.checkpoint``: ``model_<iteration>.pth``, ``model_final.pth``, ``model_best.pth``); the
 rows of ``metrics.jsonl`` and tensorboard go through the caller's ``RunLog``; the optional extras (the
 adversarial DropBlock step, GradNorm) are ``Companion``s called at fixed points of each step
-(``wsod.engine.companion`` draws them). The caller writes ``config.yaml`` and ``log.txt`` and runs the
+(``wsod.engine.companion`` draws them); the tensorboard images of each student's pseudo-labels are
+the optional ``PseudoLabelPreview``'s. The caller writes ``config.yaml`` and ``log.txt`` and runs the
 final evaluation (``wsod.run``).
 """
 
@@ -34,6 +35,7 @@ from wsod.engine.amp import autocast, resolve_amp
 from wsod.engine.checkpoint import Checkpointer, TrainState, rng_state, set_rng_state
 from wsod.engine.companion import Companion
 from wsod.engine.evaluate import Evaluator
+from wsod.engine.pseudo_label_preview import PseudoLabelPreview
 from wsod.engine.run_log import RunLog
 from wsod.engine.solver import WarmupMultiStepLR, load_optimizer_state
 
@@ -65,6 +67,7 @@ def train(
     companions: Sequence[Companion] = (),
     max_nonfinite: int = 10,
     progress: bool = True,
+    preview: PseudoLabelPreview | None = None,
 ) -> dict[str, Any]:
     """Train ``model`` (already on ``device``, possibly DDP-wrapped) for ``max_iter`` optimizer steps.
 
@@ -96,6 +99,12 @@ def train(
             the last finite state (whatever the checkpointer's period) and names it. An update that
             makes a parameter non-finite stops the run at once, so that no checkpoint ever holds
             non-finite weights; its message says which checkpoint, if any, holds the last finite ones.
+        preview: tensorboard images of each student's pseudo-labels on a few fixed training images
+            (``wsod.engine.pseudo_label_preview``), on the main process after each applied step whose
+            iteration is a multiple of ``preview.period`` (a skipped step changed nothing to look at),
+            in the step's precision; none at iteration 0 (the untrained heads' labels, and a resumed
+            run would log its start twice). It changes nothing in the run: no weight, statistic or
+            random state, and its seconds are left out of ``seconds_per_iter``.
 
     Returns a summary: final iteration, skipped steps, last losses, the last periodic evaluation and
     the best one.
@@ -125,7 +134,8 @@ def train(
             losses, inputs = _forward_backward(model, batches, device, accumulation, amp, scaler, companions)
             values = _reduce_losses(losses)
             problem = _step_problem(values, model, optimizer, scaler)
-            if problem is None:
+            applied = problem is None
+            if applied:
                 consecutive_nonfinite, state.last_finite = 0, state.iteration + 1
                 scaler.step(optimizer)
                 scaler.update()
@@ -154,6 +164,11 @@ def train(
                 seconds = (time.perf_counter() - step_start) / log_period
                 _log_step(run_log, bar, state.iteration, max_iter, values, lr, seconds, device)
                 step_start = time.perf_counter()
+            if main and applied and preview is not None and state.iteration % preview.period == 0:
+                started = time.perf_counter()
+                with autocast(device, amp):  # the features the step's own pseudo-labels came from
+                    preview(model, state.iteration, run_log)
+                step_start += time.perf_counter() - started  # not the steps' time
             if consecutive_nonfinite >= max_nonfinite:  # after logging the step
                 # Skipped steps changed nothing: the model and optimizer hold the last finite step's
                 # state. Saved now, whatever the period says, so that the stop loses no work.
