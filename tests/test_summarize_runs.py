@@ -434,6 +434,7 @@ def test_a_method_sweep_trains_each_job_in_its_directory_and_the_summary_compare
     assert {p.name for p in sweep_dir.iterdir()} >= {"summary.md", "summary.png"}
 
 
+@pytest.mark.slow  # three tiny sweeps (about 30 s): keeps the default suite under its 10 minutes
 def test_a_sweep_rerun_refuses_finished_jobs_goes_on_with_the_others_and_resumes_with_resume_true(
     tiny_toy_root, tmp_path
 ):
