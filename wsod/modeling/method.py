@@ -34,7 +34,7 @@ from typing import ClassVar
 import torch
 from torch import Tensor
 
-__all__ = ["MOVED_TO_METHOD", "PseudoLabels", "RefinementMethod"]
+__all__ = ["MOVED_TO_METHOD", "PseudoLabels", "RefinementMethod", "check_source_scores"]
 
 # Method settings that checkpoints written before this seam hold among the model's (``model.<key>``):
 # read back by wsod.build.load_detector and compared under their new names by resume_changes.
@@ -115,6 +115,16 @@ class RefinementMethod(ABC):
     box_regression: ClassVar[bool] = True
     trains_students: ClassVar[bool] = True
 
+    # Methods are equal when their settings (attributes) are: configs and checkpoints compare them.
+    def __eq__(self, other: object) -> bool:
+        return type(other) is type(self) and vars(other) == vars(self)
+
+    __hash__ = None  # equal by settings, and mutable
+
+    def __repr__(self) -> str:
+        settings = ", ".join(f"{k}={v!r}" for k, v in vars(self).items())
+        return f"{type(self).__name__}({settings})"
+
     @abstractmethod
     def loss_names(self, num_students: int) -> tuple[str, ...]:
         """Every loss ``losses`` returns for K = ``num_students`` students, student 1's first, each
@@ -140,3 +150,12 @@ class RefinementMethod(ABC):
         """The student's named scalar losses: logits (R, C+1) (column 0 background) and box deltas
         (R, 4 (C+1); None when ``box_regression`` is False) of the whole batch (images concatenated in
         order, R = sum R_i); records and proposals (R_i, 4) one per image, in the same order."""
+
+
+def check_source_scores(proposals: Tensor, scores: Tensor, image_labels: Tensor) -> None:
+    """A labeller's inputs agree: scores (R, C) for proposals (R, 4) and image_labels (C,)."""
+    num_rois = proposals.shape[0]
+    if scores.shape != (num_rois, image_labels.shape[0]):
+        raise ValueError(
+            f"scores must be (R, C) = ({num_rois}, {image_labels.shape[0]}), got {tuple(scores.shape)}"
+        )

@@ -48,7 +48,7 @@ import torch.nn.functional as F
 from torch import Tensor
 from torchvision.ops import box_iou
 
-from wsod.modeling.method import PseudoLabels, RefinementMethod
+from wsod.modeling.method import PseudoLabels, RefinementMethod, check_source_scores
 
 __all__ = [
     "PCLMethod",
@@ -216,11 +216,8 @@ def pcl_pseudo_labels(
     cluster, -1 for background; ``pseudo_boxes`` (N, 4), ``pseudo_classes`` (N,), ``pseudo_scores`` (N,)
     the cluster centres, class by class in ascending order and by decreasing score within a class.
     """
+    check_source_scores(proposals, scores, image_labels)
     num_rois = proposals.shape[0]
-    if scores.shape != (num_rois, image_labels.shape[0]):
-        raise ValueError(
-            f"scores must be (R, C) = ({num_rois}, {image_labels.shape[0]}), got {tuple(scores.shape)}"
-        )
     device = proposals.device
     scores = scores.clamp(score_clip, 1 - score_clip)
     in_pool = torch.ones(num_rois, dtype=torch.bool, device=device)
@@ -361,16 +358,6 @@ class PCLMethod(RefinementMethod):
     def fg_iou(self) -> float:
         return self.settings["fg_iou"]
 
-    def __eq__(self, other: object) -> bool:
-        return type(other) is type(self) and vars(other) == vars(self)
-
-    __hash__ = None  # equal by settings, and mutable
-
-    def __repr__(self) -> str:
-        settings = {**self.settings, "first_student_loss_weight": self.first_student_loss_weight}
-        settings = ", ".join(f"{k}={v!r}" for k, v in settings.items())
-        return f"PCLMethod({settings})"
-
     def loss_names(self, num_students: int) -> tuple[str, ...]:
         return tuple(f"loss_pcl_{k}" for k in range(1, num_students + 1))
 
@@ -398,14 +385,6 @@ class WSDDNMethod(RefinementMethod):
 
     trains_students = False
     box_regression = False
-
-    def __eq__(self, other: object) -> bool:
-        return type(other) is type(self)
-
-    __hash__ = None
-
-    def __repr__(self) -> str:
-        return "WSDDNMethod()"
 
     def loss_names(self, num_students: int) -> tuple[str, ...]:
         if num_students:

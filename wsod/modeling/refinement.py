@@ -28,7 +28,7 @@ from torch import Tensor, nn
 from torchvision.ops import box_iou, nms
 
 from wsod.modeling.box_coder import encode_boxes
-from wsod.modeling.method import PseudoLabels, RefinementMethod
+from wsod.modeling.method import PseudoLabels, RefinementMethod, check_source_scores
 from wsod.modeling.mil import init_linear
 
 __all__ = [
@@ -134,14 +134,6 @@ def _assign_to_pseudo_boxes(
 PseudoBoxes = tuple[Tensor, Tensor, Tensor]  # boxes (G, 4), classes (G,) int64 in 0..C-1, scores (G,)
 
 
-def _check_scores(proposals: Tensor, scores: Tensor, image_labels: Tensor) -> None:
-    num_rois = proposals.shape[0]
-    if scores.shape != (num_rois, image_labels.shape[0]):
-        raise ValueError(
-            f"scores must be (R, C) = ({num_rois}, {image_labels.shape[0]}), got {tuple(scores.shape)}"
-        )
-
-
 def _no_boxes(proposals: Tensor, scores: Tensor) -> PseudoBoxes:
     return (
         proposals.new_zeros(0, 4),
@@ -165,7 +157,7 @@ def mist_pseudo_boxes(
     earlier ones is < ``tau`` (all higher-ranked candidates for ``suppress="candidates"``, the reference
     code's rule; only the kept ones for ``suppress="kept"``, the paper's Algorithm 1), each carrying its
     score. Returns (boxes (G, 4), classes (G,) int64, scores (G,)), class by class in ascending order."""
-    _check_scores(proposals, scores, image_labels)
+    check_source_scores(proposals, scores, image_labels)
     top_k = max(1, int(p * proposals.shape[0]))  # the reference code crashes when int(p R) == 0
     boxes, classes, box_scores = [], [], []
     for c in (image_labels > 0).nonzero().flatten().tolist():
@@ -217,7 +209,7 @@ def oicr_pseudo_boxes(proposals: Tensor, scores: Tensor, image_labels: Tensor) -
     proposal among those no earlier class took (with scores >= 0, as the source scores are, a blanked
     proposal can be taken again only when every remaining score of that class is 0; it then carries 0).
     """
-    _check_scores(proposals, scores, image_labels)
+    check_source_scores(proposals, scores, image_labels)
     remaining = scores.clone()
     taken, classes, box_scores = [], [], []
     for c in (image_labels > 0).nonzero().flatten().tolist():
@@ -341,15 +333,6 @@ class LabelerMethod(RefinementMethod):
             raise ValueError(f"first_student_loss_weight must be >= 0, got {first_student_loss_weight}")
         self.labeler = labeler
         self.first_student_loss_weight = first_student_loss_weight
-
-    def __eq__(self, other: object) -> bool:
-        return type(other) is type(self) and vars(other) == vars(self)
-
-    __hash__ = None  # equal by settings, and mutable
-
-    def __repr__(self) -> str:
-        settings = ", ".join(f"{k}={v!r}" for k, v in vars(self).items())
-        return f"{type(self).__name__}({settings})"
 
     def loss_names(self, num_students: int) -> tuple[str, ...]:
         return tuple(f"loss_ref_{kind}_{k}" for k in range(1, num_students + 1) for kind in ("cls", "box"))
