@@ -11,10 +11,12 @@ from typing import Any
 import torch
 from omegaconf import DictConfig, OmegaConf
 from torch.utils.data import Dataset
+from torchvision.transforms import v2
 
 from wsod.data.coco import CocoDataset
 from wsod.data.dataset import ConcatWeakDataset, WeakDetectionDataset
 from wsod.data.folder import SPLIT_SEED, TEST_FRACTION, FolderDataset, require_proposals
+from wsod.data.roi_sampling import PartialLabelRoiSampler
 from wsod.data.toy import ensure_toy_dataset
 from wsod.data.transforms import train_transform
 from wsod.data.voc import VOCDataset
@@ -185,7 +187,12 @@ def _toy(data_cfg: DictConfig, progress: bool = False):
 def _open(
     data_cfg: DictConfig, source: DictConfig, *, transform, max_proposals: int | None, drop_unlabelled: bool
 ) -> WeakDetectionDataset:
-    options = dict(transform=transform, max_proposals=max_proposals, drop_unlabelled=drop_unlabelled)
+    options = dict(
+        transform=transform,
+        max_proposals=max_proposals,
+        drop_unlabelled=drop_unlabelled,
+        partial_labels=source.get("partial_labels"),  # a train set's side file (wsod.data.partial_labels)
+    )
     if data_cfg.kind == "toy":
         return _toy(data_cfg).dataset(source.image_set, **options)
     if data_cfg.kind == "voc":
@@ -211,6 +218,10 @@ def build_train_dataset(data_cfg: DictConfig) -> Dataset:
         flip_prob=0.5 if train.flip else 0.0,
         lighting_std=train.lighting_std,
     )
+    sampling = train.get("roi_sampling")
+    if sampling is not None:  # images with points or scribbles train on a sample of their ROIs
+        sampler = PartialLabelRoiSampler(sampling.rois_per_image, sampling.positive_fraction)
+        transform = v2.Compose([transform, sampler])
     # docs/METHOD.md §9: COCO images without any label are dropped from training.
     sets = [
         _open(

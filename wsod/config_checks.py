@@ -190,6 +190,10 @@ _COMMON = {
     "data.train.max_proposals": _integer(1, optional=True),
     "data.train.num_workers": _integer(0),
     "data.train.lighting_std": _number(0),
+    "data.train.roi_sampling.rois_per_image": _integer(1),
+    "data.train.roi_sampling.positive_fraction": _Rule(
+        lambda v: _is_number(v) and 0 < v <= 1, "a number > 0 and <= 1, e.g. 0.25"
+    ),
     "output_dir": _optional_path("null or a folder, e.g. output_dir=runs/my_run"),
 }
 
@@ -411,6 +415,23 @@ _FREE_ON_RESUME = (
 _MOVED_KEYS = {f"model.{key}": f"method.{key}" for key in MOVED_TO_METHOD}
 
 
+def _fill_added_keys(old_flat: dict[str, Any], new_flat: Mapping[str, Any]) -> None:
+    """A config saved before partial labels (no ``data.train.roi_sampling``, train sets without
+    ``partial_labels``) is read as the same run with them off: sampling only acts on images with points
+    or scribbles, which such a run had none of."""
+    if "data.train.sets" not in old_flat or "data.train.roi_sampling.rois_per_image" in old_flat:
+        return
+    for key in ("data.train.roi_sampling.rois_per_image", "data.train.roi_sampling.positive_fraction"):
+        if key in new_flat:
+            old_flat[key] = new_flat[key]
+    sets = old_flat["data.train.sets"]
+    if isinstance(sets, list):
+        old_flat["data.train.sets"] = [
+            {**s, "partial_labels": None} if isinstance(s, dict) and "partial_labels" not in s else s
+            for s in sets
+        ]
+
+
 def resume_changes(saved: Mapping[str, Any] | DictConfig, new: Mapping[str, Any] | DictConfig) -> list[str]:
     """The settings that differ between a checkpoint's config and the new one, as printable lines.
 
@@ -421,6 +442,7 @@ def resume_changes(saved: Mapping[str, Any] | DictConfig, new: Mapping[str, Any]
     for old, key in _MOVED_KEYS.items():
         if old in old_flat and key not in old_flat:
             old_flat[key] = old_flat.pop(old)
+    _fill_added_keys(old_flat, new_flat)
     changes, refused = [], []
     for key in sorted(set(old_flat) | set(new_flat)):
         if key in ("resume", "output_dir"):

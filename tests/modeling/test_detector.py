@@ -296,8 +296,9 @@ def test_each_images_targets_reach_the_method_unchanged_and_name_the_losses():
             return super().pseudo_labels(student, proposals, scores, targets)
 
     images, proposals, labels = _batch()
-    # Supervision beyond the labels (points here) travels in each image's dict to the method.
-    points = {"points": torch.tensor([[5.0, 6.0]]), "point_labels": torch.tensor([0])}
+    # Supervision beyond the labels travels in each image's dict to the method: a field MIST does not
+    # read here (its partial labels, "points" and the rest, change its pseudo-labels: test_partial_labels).
+    points = {"hint_points": torch.tensor([[5.0, 6.0]]), "hint_labels": torch.tensor([0])}
     targets = [{"labels": row, **points} for row in labels]
     model = _tiny(4, method=RecordingMIST())
     from_targets = model(images, proposals, targets=targets)
@@ -312,7 +313,7 @@ def test_each_images_targets_reach_the_method_unchanged_and_name_the_losses():
     with pytest.raises(ValueError, match="disagree"):
         model(images, proposals, labels.flip(0), targets=targets)
     with pytest.raises(ValueError, match=r"targets\[1\]\['labels'\]"):
-        model(images, proposals, targets=[targets[0], {"points": targets[1]["points"]}])
+        model(images, proposals, targets=[targets[0], {"hint_points": targets[1]["hint_points"]}])
 
 
 def test_a_method_and_a_labeller_or_loss_weight_together_are_refused():

@@ -68,3 +68,35 @@ def test_losses_and_detections_match_the_stored_golden_result():
         for box, stored_box in zip(ours["boxes"], stored["boxes"], strict=True):
             assert box == pytest.approx(stored_box, rel=1e-4, abs=1e-3), f"new values: {new}"
     assert any(v > 0 for k, v in result["losses"].items() if k.startswith("loss_ref_box"))
+
+
+def test_images_without_partial_labels_train_exactly_as_with_image_labels_alone():
+    """Empty partial-label fields (an image without points, scribbles or boxes in a dataset that has
+    them), and an image's partial labels, change nothing for the other images: the golden losses."""
+    torch.manual_seed(0)
+    model = build_detector("resnet18", num_classes=3, chunk_size=4, width=0.25)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.startswith(("mil_head", "students")) and name.endswith("weight"):
+                p.mul_(30)
+    images, proposals, labels = _inputs()
+    empty = {
+        "points": torch.zeros(0, 2),
+        "point_labels": torch.zeros(0, dtype=torch.int64),
+        "scribble_points": torch.zeros(0, 2),
+        "scribble_labels": torch.zeros(0, dtype=torch.int64),
+        "scribble_ids": torch.zeros(0, dtype=torch.int64),
+        "boxes": torch.zeros(0, 4),
+        "box_labels": torch.zeros(0, dtype=torch.int64),
+    }
+    losses = model(images, proposals, targets=[{"labels": row, **empty} for row in labels])
+    golden = json.loads(GOLDEN.read_text())["losses"]
+    assert {k: v.item() for k, v in sorted(losses.items())} == pytest.approx(golden, rel=1e-5)
+    # Image 0 with a point: image 1's pseudo-labels are those it gets alone.
+    with_point = [
+        {"labels": labels[0], "points": proposals[0][:1, :2] + 1, "point_labels": torch.tensor([0])}
+    ]
+    records = model.pseudo_labels(images, proposals, [*with_point, {"labels": labels[1], **empty}])
+    alone = model.pseudo_labels(images, proposals, [{"labels": row} for row in labels])
+    for ours, plain in zip(records, alone, strict=True):
+        assert torch.equal(ours[1].labels, plain[1].labels) and torch.equal(ours[1].weights, plain[1].weights)

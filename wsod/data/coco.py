@@ -26,6 +26,10 @@ Crowd annotations (``iscrowd`` = 1) are neither labels nor ground-truth boxes. B
 ``images[3] has no 'id'``; the cases: ``normalise_coco``): a missing required field, a category or image
 id the file lacks, a ``bbox`` that is not 4 numbers, a duplicate id. Images without labels are kept, or
 dropped with a logged count by ``drop_unlabelled`` (docs/METHOD.md §9: training drops them).
+
+Partial labels (``wsod.data.partial_labels``): an annotation may carry ``point: [x, y]``, ``scribble:
+[[x, ...], [y, ...]]`` and ``use_as`` (``tag``, ``point``, ``scribble`` or ``box``: its ``bbox``
+supervises); they become the image record's ``supervision``, checked and named by annotation id.
 """
 
 from __future__ import annotations
@@ -47,7 +51,11 @@ from pycocotools.coco import COCO
 
 from wsod.data.box_formats import coco_xywh_to_xyxy
 from wsod.data.dataset import ImageRecord, Transform, WeakDetectionDataset, image_size_from_header
+from wsod.data.partial_labels import partial_labels_of_coco_annotation, supervision_of
 from wsod.data.proposals import ProposalSet
+
+# Annotation fields that make partial labels (wsod.data.partial_labels).
+_PARTIAL_FIELDS = frozenset({"point", "scribble", "use_as"})
 
 __all__ = ["CocoDataset", "coco_index", "load_coco_records", "normalise_coco", "read_coco_json"]
 
@@ -239,13 +247,30 @@ def load_coco_records(
         labels = np.zeros(len(category_ids), dtype=np.float32)
         labels[gt_labels] = 1.0
         gt = {}
+        boxes = None
         if has_boxes:
-            gt = {
-                "gt_boxes": coco_xywh_to_xyxy(np.array([a["bbox"] for a in anns], dtype=np.float32)),
-                "gt_labels": gt_labels,
-                "gt_difficult": np.zeros(len(anns), dtype=bool),
-            }
-        records.append(ImageRecord(image["id"], str(path), int(height), int(width), labels, **gt))
+            boxes = coco_xywh_to_xyxy(np.array([a["bbox"] for a in anns], dtype=np.float32)).reshape(-1, 4)
+            gt = {"gt_boxes": boxes, "gt_labels": gt_labels, "gt_difficult": np.zeros(len(anns), dtype=bool)}
+        partial = [
+            label
+            for j, a in enumerate(anns)
+            if _PARTIAL_FIELDS.intersection(a)
+            for label in partial_labels_of_coco_annotation(
+                a,
+                int(gt_labels[j]),
+                None if boxes is None else boxes[j],
+                (int(height), int(width)),
+                f"{annotation_file}: annotation id {a['id']} (image {image['id']!r})",
+            )
+        ]
+        supervision = supervision_of(
+            partial, labels, class_names, f"{annotation_file}: image {image['id']!r}"
+        )
+        records.append(
+            ImageRecord(
+                image["id"], str(path), int(height), int(width), labels, **gt, supervision=supervision
+            )
+        )
     return records, category_ids, class_names
 
 
@@ -268,6 +293,7 @@ class CocoDataset(WeakDetectionDataset):
         max_proposals: int | None = None,
         drop_unlabelled: bool = False,
         check_files: bool = True,
+        partial_labels: str | os.PathLike | None = None,
     ) -> None:
         self.annotation_file = Path(annotation_file)
         if self.annotation_file.is_file():  # before the read: a rewrite during it is seen later too
@@ -283,6 +309,7 @@ class CocoDataset(WeakDetectionDataset):
             max_proposals=max_proposals,
             drop_unlabelled=drop_unlabelled,
             check_files=check_files,
+            partial_labels=partial_labels,
         )
 
     @functools.cached_property

@@ -50,6 +50,7 @@ from torch.utils.data import ConcatDataset, Dataset
 from torchvision import tv_tensors
 
 from wsod.data.image_io import read_image_rgb, read_image_size
+from wsod.data.partial_labels import attach_partial_labels, count_partial_labels
 from wsod.data.proposals import ProposalSet, filter_proposals, load_proposals, whole_image_box
 from wsod.data.targets import check_supervision, make_targets
 
@@ -127,6 +128,8 @@ class WeakDetectionDataset(Dataset):
         max_proposals: keep at most this many proposals per image (file order); None keeps all.
         drop_unlabelled: drop images without any positive image-level label (training).
         check_files: check at construction that every image file exists.
+        partial_labels: a side file of points, scribbles and boxes on some objects
+            (``wsod.data.partial_labels``), attached to the records it names as their ``supervision``.
     """
 
     def __init__(
@@ -140,6 +143,7 @@ class WeakDetectionDataset(Dataset):
         max_proposals: int | None = None,
         drop_unlabelled: bool = False,
         check_files: bool = True,
+        partial_labels: str | os.PathLike | None = None,
     ) -> None:
         self.classes = tuple(classes)
         records = list(records)
@@ -156,6 +160,18 @@ class WeakDetectionDataset(Dataset):
                     len(records),
                 )
             records = kept
+        if partial_labels is not None:
+            records = attach_partial_labels(records, self.classes, partial_labels)
+        counts = count_partial_labels(records)
+        if counts["images"]:
+            logger.info(
+                "partial labels on %d of %d images: %d points, %d scribbles, %d boxes",
+                counts["images"],
+                len(records),
+                counts["point"],
+                counts["scribble"],
+                counts["box"],
+            )
         for r in records:
             if r.supervision:
                 check_supervision(r.supervision, (r.height, r.width), f"image {r.image_id!r} ({r.path})")

@@ -436,6 +436,7 @@ class FolderDataset(WeakDetectionDataset):
         max_proposals: int | None = None,
         drop_unlabelled: bool = False,
         check_files: bool = True,
+        partial_labels: str | os.PathLike | None = None,
     ) -> None:
         self.root, self.split = Path(root), split
         records, names = load_folder_records(
@@ -451,6 +452,7 @@ class FolderDataset(WeakDetectionDataset):
                 max_proposals=max_proposals,
                 drop_unlabelled=drop_unlabelled,
                 check_files=check_files,
+                partial_labels=partial_labels,
             )
         except MissingProposalsError as error:
             raise MissingProposalsError(

@@ -162,6 +162,7 @@ class VOCDataset(WeakDetectionDataset):
         max_proposals: int | None = None,
         drop_unlabelled: bool = False,
         check_files: bool = True,
+        partial_labels: str | os.PathLike | None = None,
     ) -> None:
         self.devkit, self.year, self.image_set = Path(devkit), str(year), image_set
         super().__init__(
@@ -173,4 +174,5 @@ class VOCDataset(WeakDetectionDataset):
             max_proposals=max_proposals,
             drop_unlabelled=drop_unlabelled,
             check_files=check_files,
+            partial_labels=partial_labels,
         )

@@ -37,6 +37,7 @@ from wsod.modeling.box_coder import decode_boxes
 from wsod.modeling.dropblock import ConcreteDropBlock
 from wsod.modeling.method import PseudoLabels, RefinementMethod
 from wsod.modeling.mil import MILHead, mil_loss
+from wsod.modeling.partial_labels import PARTIAL_LABEL_FIELDS
 from wsod.modeling.pcl import PCLMethod, WSDDNMethod
 from wsod.modeling.refinement import (
     LabelerMethod,
@@ -227,6 +228,14 @@ class WeaklySupervisedDetector(nn.Module):
                 raise ValueError(
                     f"targets[{i}]['labels'] must be the image's (C,) = ({self.num_classes},) multi-hot"
                     f" labels, got {got}"
+                )
+            if not self.method.reads_partial_labels and any(
+                target.get(name) is not None and target[name].numel() for name in PARTIAL_LABEL_FIELDS
+            ):
+                raise ValueError(
+                    f"targets[{i}] holds partial labels (points, scribbles or boxes), which"
+                    f" {type(self.method).__name__} does not read: train them with method=mist or"
+                    " method=oicr, or drop the data's partial_labels"
                 )
         stacked = torch.stack([target["labels"] for target in targets])
         if image_labels is None:

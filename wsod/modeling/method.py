@@ -5,7 +5,8 @@ A refinement method (MIST, OICR, PCL...) decides two things for each student k =
 * ``pseudo_labels``: from one image's proposals, its source scores (the teacher's ROI scores for
   student 1, the softmax of student k-1 for k > 1; foreground columns only) and that image's
   ``targets`` dict, that image's pseudo ground truth, a ``PseudoLabels`` record. Called per image and
-  without gradients.
+  without gradients. A method that follows partial labels (points, scribbles, supervising boxes in the
+  targets) says so with ``reads_partial_labels``.
 * ``losses``: from the student's outputs over the batch and the per-image records, that student's named
   losses. The method batches its own records (e.g. cluster ids need per-image offsets).
 
@@ -114,6 +115,9 @@ class RefinementMethod(ABC):
 
     box_regression: ClassVar[bool] = True
     trains_students: ClassVar[bool] = True
+    # Whether ``pseudo_labels`` follows an image's partial labels (points, scribbles, boxes; see
+    # wsod.modeling.partial_labels): the detector refuses to train a method that would ignore them.
+    reads_partial_labels: ClassVar[bool] = False
 
     # Methods are equal when their settings (attributes) are: configs and checkpoints compare them.
     def __eq__(self, other: object) -> bool:

@@ -30,6 +30,7 @@ from torchvision.ops import box_iou, nms
 from wsod.modeling.box_coder import encode_boxes
 from wsod.modeling.method import PseudoLabels, RefinementMethod, check_source_scores
 from wsod.modeling.mil import init_linear
+from wsod.modeling.partial_labels import PartialLabels, partial_pseudo_labels
 
 __all__ = [
     "RefinementStudent",
@@ -326,7 +327,13 @@ class LabelerMethod(RefinementMethod):
     """A ``PseudoLabeler`` as a refinement method: every student gets the labeller's per-ROI labels,
     weights and targets from its source scores and the image's ``targets["labels"]``, and learns with
     ``refinement_losses`` (``loss_ref_cls_k``, ``loss_ref_box_k``), student 1's two losses multiplied by
-    ``first_student_loss_weight`` (the reference code's 3)."""
+    ``first_student_loss_weight`` (the reference code's 3).
+
+    Partial labels in an image's targets (points, scribbles, boxes) change that image's pseudo-labels
+    by the rules of ``wsod.modeling.partial_labels`` (the labeller must name its pseudo boxes: MIST,
+    OICR); an image without them is labelled exactly as before."""
+
+    reads_partial_labels = True
 
     def __init__(self, labeler: PseudoLabeler, *, first_student_loss_weight: float = 3.0) -> None:
         if not first_student_loss_weight >= 0:
@@ -341,7 +348,16 @@ class LabelerMethod(RefinementMethod):
         self, student: int, proposals: Tensor, scores: Tensor, targets: Mapping[str, Tensor]
     ) -> PseudoLabels:
         image_labels = targets["labels"]
-        if not (hasattr(self.labeler, "pseudo_boxes") and hasattr(self.labeler, "assign")):
+        names_boxes = hasattr(self.labeler, "pseudo_boxes") and hasattr(self.labeler, "assign")
+        partial = PartialLabels.from_targets(targets, proposals)
+        if partial is not None:
+            if not names_boxes:
+                raise ValueError(
+                    f"{type(self.labeler).__name__} has no pseudo_boxes and assign methods, which partial"
+                    " labels (points, scribbles, boxes) need (wsod.modeling.partial_labels)"
+                )
+            return partial_pseudo_labels(self.labeler, proposals, scores, image_labels, partial)
+        if not names_boxes:
             return PseudoLabels(*self.labeler(proposals, scores, image_labels))
         # A labeller that names its pseudo boxes (MIST, OICR): the record keeps them for the previews.
         boxes = self.labeler.pseudo_boxes(proposals, scores, image_labels)
