@@ -34,7 +34,7 @@ from wsod.data.box_formats import to_one_based
 from wsod.data.proposals.selective_search import generate_proposals
 from wsod.data.voc import VOCDataset
 
-__all__ = ["TOY_CLASSES", "ToyDataset", "ensure_toy_dataset", "render_toy_image"]
+__all__ = ["TOY_CLASSES", "ToyDataset", "ensure_toy_dataset", "render_toy_image", "toy_object_masks"]
 
 logger = logging.getLogger(__name__)
 
@@ -126,9 +126,21 @@ def render_toy_image(
 ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """Image ``number`` of the dataset with ``seed`` -> (uint8 RGB (size, size, 3), boxes (G, 4) float32
     0-based inclusive tight around the drawn pixels, labels (G,) int64)."""
+    image, boxes, labels, _ = _render(seed, number, size)
+    return image, boxes, labels
+
+
+def toy_object_masks(seed: int, number: int, size: int = IMAGE_SIZE) -> np.ndarray:
+    """The objects of image ``number`` as masks (G, size, size) bool, in the order of its boxes: the
+    pixels drawn at least half in the object's colour (its box is tight around them). What
+    ``tools/make_partial_labels.py`` places points and scribbles in."""
+    return _render(seed, number, size)[3]
+
+
+def _render(seed: int, number: int, size: int) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
     rng = np.random.default_rng([seed, number])
     image = _background(rng, size)
-    boxes, labels, placed = [], [], []
+    boxes, labels, placed, masks = [], [], [], []
     for _ in range(int(rng.integers(1, 4))):
         box = _place(rng, placed, size)
         if box is None:
@@ -141,8 +153,10 @@ def render_toy_image(
         ys, xs = np.nonzero(mask >= 0.5)
         boxes.append([xs.min(), ys.min(), xs.max(), ys.max()])
         labels.append(cls)
+        masks.append(mask >= 0.5)
     image = np.clip(np.round(image), 0, 255).astype(np.uint8)
-    return image, np.array(boxes, np.float32).reshape(-1, 4), np.array(labels, np.int64)
+    masks = np.array(masks, dtype=bool).reshape(-1, size, size)
+    return image, np.array(boxes, np.float32).reshape(-1, 4), np.array(labels, np.int64), masks
 
 
 def _annotation_xml(image_id: str, size: int, boxes: np.ndarray, labels: np.ndarray) -> bytes:

@@ -1,0 +1,187 @@
+"""Simulate partial labels (points, scribbles, boxes) on a dataset with boxes, as researchers do.
+
+    python tools/make_partial_labels.py toy --points 1 --output data/toy/partial/points.json
+    python tools/make_partial_labels.py toy --scribbles 1 --output data/toy/partial/scribbles.json
+    python tools/make_partial_labels.py toy --boxes 0.1 --output data/toy/partial/boxes10.json
+    python tools/make_partial_labels.py toy --points 1/3 --scribbles 1/3 --boxes 1/3 --per object \\
+        --output data/toy/partial/mixed.json
+    python tools/make_partial_labels.py voc --devkit data/VOCdevkit --year 2007 --image-set trainval \\
+        --points 1 --output data/partial/voc07_trainval_points.json
+    python tools/make_partial_labels.py coco --annotations data/coco/annotations/instances_train2014.json \\
+        --points 1 --output data/coco/annotations/instances_train2014_points.json
+
+``--points``, ``--scribbles`` and ``--boxes`` are the fractions of the units (images; single objects with
+``--per object``) that get each kind (``0.1``, ``1/3``; together at most 1); the others keep image labels
+only. Points and scribbles lie inside each object's mask where the data has one (COCO's segmentations,
+the toy set's drawn shapes), else inside its box; ``wsod/data/partial_label_simulation.py`` has the
+rules. ``--seed`` makes another draw; the same command writes the same file.
+
+Output: for ``toy`` and ``voc`` a side file (``data/README.md``) that a train set names with
+``data.train.sets.0.partial_labels=<file>``; for ``coco`` a copy of the annotation json whose every
+non-crowd annotation has ``use_as`` (tag, point, scribble or box) and its ``point`` / ``scribble``, to
+train with ``data.train.sets.0.annotations=<file>``. Difficult VOC objects and crowd annotations are
+never labelled (they give no image label).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from collections import Counter
+from pathlib import Path
+
+import numpy as np
+
+from wsod.atomic import atomic_write
+from wsod.cli import run_tool
+from wsod.data.box_formats import coco_xywh_to_xyxy
+from wsod.data.partial_label_simulation import (
+    SimulatedObject,
+    choose_kinds,
+    parse_fraction,
+    simulate_partial_label,
+)
+from wsod.data.partial_labels import write_partial_labels_file
+from wsod.data.toy import ensure_toy_dataset, toy_object_masks
+from wsod.data.voc import VOC_CLASSES, load_voc_records
+
+# (image id, file path, [(class name, SimulatedObject)]) per image.
+Image = tuple[object, str, list[tuple[str, SimulatedObject]]]
+
+
+def _voc_images(devkit: Path, year: str, image_set: str, classes, toy_seed: int | None = None) -> list[Image]:
+    images = []
+    for record in load_voc_records(devkit, year, image_set, classes):
+        masks = toy_object_masks(toy_seed, int(record.image_id)) if toy_seed is not None else None
+        objects = []
+        for j, (box, label, difficult) in enumerate(
+            zip(record.gt_boxes, record.gt_labels, record.gt_difficult, strict=True)
+        ):
+            if not difficult:
+                objects.append((classes[label], SimulatedObject(box, None if masks is None else masks[j])))
+        images.append((record.image_id, record.path, objects))
+    return images
+
+
+def _coco_images(data: dict) -> tuple[list[Image], list[dict]]:
+    """Images and, in the same order as their objects, the annotations they come from."""
+    from pycocotools.coco import COCO
+
+    coco = COCO()
+    coco.dataset = data
+    coco.createIndex()
+    names = {c["id"]: c["name"] for c in data["categories"]}
+    images, annotations = [], []
+    for image in data["images"]:
+        objects = []
+        for ann in coco.imgToAnns.get(image["id"], []):
+            if ann.get("iscrowd", 0):
+                continue
+            box = coco_xywh_to_xyxy(np.array([ann["bbox"]], np.float32))[0]
+            mask = coco.annToMask(ann).astype(bool) if ann.get("segmentation") else None
+            objects.append((names[ann["category_id"]], SimulatedObject(box, mask)))
+            annotations.append(ann)
+        images.append((image["id"], image.get("file_name", ""), objects))
+    return images, annotations
+
+
+def simulate(images: list[Image], fractions: dict[str, float], per: str, seed: int) -> list[list[str | None]]:
+    """Each object's kind (None: image label only), per image, by ``choose_kinds`` over the units."""
+    if per == "image":
+        labelled = [i for i, (_, _, objects) in enumerate(images) if objects]
+        chosen = choose_kinds(len(labelled), fractions, seed)
+        kinds: list[list[str | None]] = [[None] * len(objects) for _, _, objects in images]
+        for i, kind in zip(labelled, chosen, strict=True):
+            kinds[i] = [kind] * len(images[i][2])
+        return kinds
+    flat = choose_kinds(sum(len(objects) for _, _, objects in images), fractions, seed)
+    kinds, start = [], 0
+    for _, _, objects in images:
+        kinds.append(flat[start : start + len(objects)])
+        start += len(objects)
+    return kinds
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    sub = parser.add_subparsers(dest="command", required=True)
+    toy = sub.add_parser("toy", help="the toy set (points and scribbles inside the drawn shapes)")
+    toy.add_argument("--root", type=Path, default=Path("data/toy"))
+    toy.add_argument("--image-set", default="trainval")
+    voc = sub.add_parser("voc", help="a VOCdevkit image set (inside the boxes)")
+    voc.add_argument("--devkit", type=Path, default=Path("data/VOCdevkit"))
+    voc.add_argument("--year", default="2007")
+    voc.add_argument("--image-set", default="trainval")
+    coco = sub.add_parser("coco", help="a COCO instances json (inside the segmentation masks)")
+    coco.add_argument("--annotations", type=Path, required=True)
+    for command in (toy, voc, coco):
+        command.add_argument("--points", type=parse_fraction, default=0.0, help="fraction given points")
+        command.add_argument("--scribbles", type=parse_fraction, default=0.0, help="fraction given scribbles")
+        command.add_argument("--boxes", type=parse_fraction, default=0.0, help="fraction given boxes")
+        command.add_argument(
+            "--per",
+            choices=("image", "object"),
+            default="image",
+            help="what a fraction counts (default image)",
+        )
+        command.add_argument("--seed", type=int, default=0)
+        command.add_argument("--output", type=Path, required=True)
+    args = parser.parse_args(argv)
+    fractions = {"point": args.points, "scribble": args.scribbles, "box": args.boxes}
+    fractions = {kind: f for kind, f in fractions.items() if f > 0}
+    if not fractions:
+        sys.exit("give at least one of --points, --scribbles and --boxes")
+
+    if args.command == "toy":
+        manifest = args.root / "toy.json"  # a toy set made before: its own sizes and seed
+        made = json.loads(manifest.read_text()) if manifest.is_file() else {}
+        sizes = {key: made[key] for key in ("num_train", "num_test", "seed") if key in made}
+        dataset = ensure_toy_dataset(args.root, **sizes)
+        images = _voc_images(
+            dataset.devkit, dataset.year, args.image_set, dataset.classes, sizes.get("seed", 0)
+        )
+    elif args.command == "voc":
+        images = _voc_images(args.devkit, str(args.year), args.image_set, VOC_CLASSES)
+    else:
+        data = json.loads(args.annotations.read_text())
+        images, annotations = _coco_images(data)
+    kinds = simulate(images, fractions, args.per, args.seed)
+
+    counts: Counter[str] = Counter()
+    side_file: dict[str, list[dict]] = {}
+    coco_fields = []
+    for index, ((image_id, _, objects), image_kinds) in enumerate(zip(images, kinds, strict=True)):
+        rng = np.random.default_rng([args.seed, index])
+        entries = []
+        for (name, obj), kind in zip(objects, image_kinds, strict=True):
+            counts[kind or "tag"] += 1
+            if kind is None:
+                coco_fields.append({"use_as": "tag"})
+                continue
+            geometry = simulate_partial_label(kind, obj, rng)
+            entries.append({"class": name, kind: geometry})
+            coco_fields.append({"use_as": kind, **({} if kind == "box" else {kind: geometry})})
+        if entries:
+            side_file[str(image_id)] = entries
+
+    args.output.parent.mkdir(parents=True, exist_ok=True)
+    if args.command == "coco":
+        for ann, fields in zip(annotations, coco_fields, strict=True):
+            ann.update(fields)
+        with atomic_write(args.output, "w") as f:
+            json.dump(data, f)
+    else:
+        write_partial_labels_file(args.output, side_file)
+    print(
+        f"{args.output}: {len(images)} images, {len(side_file)} with partial labels; objects:"
+        f" {counts['point']} points, {counts['scribble']} scribbles, {counts['box']} boxes,"
+        f" {counts['tag']} image labels only"
+    )
+    return 0
+
+
+if __name__ == "__main__":
+    run_tool(lambda _: main(), None)  # an error (bad input): one line and exit status 1, as every tool
