@@ -132,6 +132,16 @@ def _multirun() -> bool:
     return HydraConfig.initialized() and HydraConfig.get().mode == RunMode.MULTIRUN
 
 
+def _one_folder_name(text: str) -> str:
+    """``text`` as one folder name: ``/`` becomes ``_``, so an override naming a file
+    (``data.train.sets.0.partial_labels=data/toy/partial/points.json``) gives one job folder, not a tree."""
+    return str(text).replace("/", "_")
+
+
+# configs/train.yaml's hydra.sweep.subdir; registered on import, before tools/train.py composes its config.
+OmegaConf.register_new_resolver("wsod_folder_name", _one_folder_name, replace=True)
+
+
 def sweep_job_dir() -> str | None:
     """This multirun job's directory, ``<hydra.sweep.dir>/<hydra.sweep.subdir>`` as Hydra resolved them
     (relative paths stay relative, like ``runs/<date>_<time>``); None outside a multirun."""
