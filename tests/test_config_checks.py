@@ -139,6 +139,31 @@ def test_a_resume_may_change_the_chunking_and_the_budget():
     ]
 
 
+def test_a_config_saved_before_partial_labels_resumes_and_a_new_side_file_is_refused():
+    from omegaconf import OmegaConf
+
+    after = _config([])
+    before = OmegaConf.to_container(after, resolve=True)
+    del before["data"]["train"]["roi_sampling"]
+    before["data"]["train"]["sets"] = [{"image_set": "trainval"}]  # no partial_labels key
+    assert resume_changes(before, after) == []
+    with pytest.raises(ConfigError, match="data.train.sets"):
+        resume_changes(after, _config(["data.train.sets.0.partial_labels=data/toy/partial/points.json"]))
+    with pytest.raises(ConfigError, match="data.train.roi_sampling.rois_per_image"):
+        resume_changes(after, _config(["data.train.roi_sampling.rois_per_image=512"]))
+
+
+def test_the_roi_sampling_keys_are_checked():
+    with pytest.raises(ConfigError) as error:
+        check_config(
+            _config(
+                ["data.train.roi_sampling.rois_per_image=0", "data.train.roi_sampling.positive_fraction=0"]
+            )
+        )
+    assert "rois_per_image=0: expected an integer >= 1" in str(error.value)
+    assert "positive_fraction=0: expected a number > 0 and <= 1" in str(error.value)
+
+
 @pytest.mark.parametrize(
     "name,overrides,message",
     [

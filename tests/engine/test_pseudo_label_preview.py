@@ -332,3 +332,22 @@ def test_a_tiny_run_writes_the_previews_to_tensorboard(tiny_toy_root, tmp_path):
     for tag in tags:
         assert [event.step for event in events.Images(tag)] == [2, 4]
     assert "pseudo-label previews every 2 steps: 2 training image(s)" in (run_dir / "log.txt").read_text()
+
+
+def test_points_and_scribbles_are_drawn_in_their_class_colours_on_top():
+    canvas = torch.full((3, 50, 60), GREY, dtype=torch.uint8)
+    proposals = torch.tensor([_box(5, 5, 9, 9)])
+    partial = {
+        "points": torch.tensor([[20.0, 30.0]]),
+        "point_labels": torch.tensor([2]),
+        "scribble_points": torch.tensor([[40.0, 10.0], [41.0, 11.0], [42.0, 12.0]]),
+        "scribble_labels": torch.tensor([1, 1, 1]),
+        "scribble_ids": torch.tensor([0, 0, 0]),
+    }
+    drawn = draw_pseudo_labels(canvas, _record([0], []), proposals, CLASSES, partial_labels=partial)
+    assert tuple(drawn[:, 30, 20].tolist()) == PALETTE[2]  # the point
+    assert all(tuple(drawn[:, 10 + i, 40 + i].tolist()) == PALETTE[1] for i in range(3))  # the path
+    changed = (drawn != canvas).any(dim=0)
+    assert _inside(changed, [[17, 27, 23, 33], [39, 9, 43, 13]])
+    # Without partial labels nothing is added.
+    assert torch.equal(draw_pseudo_labels(canvas, _record([0], []), proposals, CLASSES), canvas)

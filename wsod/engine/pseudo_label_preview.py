@@ -33,7 +33,7 @@ import torch
 from torch import Tensor, nn
 from torch.utils.data import ConcatDataset, Dataset
 from torchvision.transforms.v2 import functional as F
-from torchvision.utils import draw_bounding_boxes
+from torchvision.utils import draw_bounding_boxes, draw_keypoints
 
 from wsod.data.loader import collate, model_inputs
 from wsod.data.transforms import IMAGENET_MEAN, IMAGENET_STD, MAX_SIZE, test_transform
@@ -50,6 +50,7 @@ TAG = "pseudo_labels"  # the tensorboard tag prefix of every preview image
 # Foreground ROIs are thin, so that hundreds of them still leave the image visible; the pseudo boxes over
 # them take draw_detections' width (2) and its labels.
 MEMBER_WIDTH = 1
+POINT_RADIUS = 3  # pixels of a drawn point (partial labels)
 
 
 class _ImageLog(Protocol):
@@ -160,6 +161,7 @@ class PseudoLabelPreview:
                 picture = draw_pseudo_labels(
                     image.canvas, records[0], image.proposals, self.class_names,
                     ground_truth=image.ground_truth, scale=image.scale,
+                    partial_labels=image.inputs["targets"][0],
                 )  # fmt: skip
                 run_log.image(f"{image.tag}/student_{k}", picture, iteration)
 
@@ -194,6 +196,7 @@ def draw_pseudo_labels(
     *,
     ground_truth: Tensor | None = None,
     scale: tuple[float, float] = (1.0, 1.0),
+    partial_labels: Mapping[str, Tensor] | None = None,
 ) -> Tensor:
     """One student's record of one image drawn on ``canvas`` uint8 (3, H, W).
 
@@ -202,7 +205,9 @@ def draw_pseudo_labels(
     pixels per detector pixel (the canvas may be shrunk). Drawn bottom to top: the foreground ROIs
     (label c + 1) thin in class c's colour, the ground truth in white, the pseudo boxes thick in their
     class's colour labelled "class score" (``record.pseudo_classes``, ``record.pseudo_scores``), the
-    best on top. Returns a new uint8 (3, H, W) image; ``canvas`` is left as it was.
+    best on top, and on top of all the image's partial labels when ``partial_labels`` (its targets
+    dict) has them: points as dots and scribbles as paths in their class's colour (supervising boxes
+    are pseudo boxes of score 1). Returns a new uint8 (3, H, W) image; ``canvas`` is left as it was.
     """
     factor = torch.tensor([scale[0], scale[1], scale[0], scale[1]])
     image = canvas.detach().cpu().clone()
@@ -222,6 +227,31 @@ def draw_pseudo_labels(
             "labels": record.pseudo_classes,
         }
         image = draw_detections(image, detections, class_names)
+    if partial_labels is not None:
+        image = _draw_points_and_scribbles(image, partial_labels, factor[:2])
+    return image
+
+
+def _draw_points_and_scribbles(image: Tensor, targets: Mapping[str, Tensor], factor: Tensor) -> Tensor:
+    """Points (``points``, ``point_labels``) as dots and scribbles (``scribble_points`` by
+    ``scribble_ids``) as paths of small dots, in their class's colour (torchvision's ``draw_keypoints``)."""
+    points = targets.get("points")
+    if points is not None and len(points):
+        for point, label in zip(
+            points.detach().cpu().float() * factor, targets["point_labels"].tolist(), strict=True
+        ):
+            colour = PALETTE[label % len(PALETTE)]
+            image = draw_keypoints(image, point.view(1, 1, 2), colors=colour, radius=POINT_RADIUS)
+    strokes = targets.get("scribble_points")
+    if strokes is not None and len(strokes):
+        strokes = strokes.detach().cpu().float() * factor
+        ids, labels = targets["scribble_ids"].cpu(), targets["scribble_labels"].cpu()
+        for stroke in torch.unique(ids).tolist():
+            path = strokes[ids == stroke]
+            colour = PALETTE[int(labels[ids == stroke][0]) % len(PALETTE)]
+            # The points themselves (a simulated scribble has one per pixel of its length): torchvision
+            # draws connecting lines in white only.
+            image = draw_keypoints(image, path[None], colors=colour, radius=1)
     return image
 
 

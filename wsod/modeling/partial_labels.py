@@ -1,4 +1,4 @@
-"""Training rules for partial labels: points, scribbles and boxes on some objects (docs/METHOD.md §5).
+"""Training rules for partial labels: points, scribbles and boxes on some objects (docs/METHOD.md §4).
 
 An image's partial labels reach the method in its targets dict (``wsod.data.targets``; made by
 ``wsod.data.partial_labels``), in the resized, flipped image's pixels. ``PartialLabels.from_targets``
@@ -31,11 +31,11 @@ The rules, per image, as the reference code applies them (NVlabs/wetectron, UFO2
   rule); positive = holds a point, covers a scribble, or (wsod, for mixed images) overlaps a
   supervising box at IoU >= 0.5.
 
-Differences from the reference (docs/METHOD.md §5): the scribble filter accepts an ROI covering *any*
-scribble of its class (the reference takes only the scribble the ROI covers most, which can be of
-another class); the box kind and per-object mixing do not exist there (one global switch: every image
-points, or every image scribbles); an empty scribble is an error at loading (the reference substitutes
-the box [1, 2, 3, 4]).
+Differences from the reference (docs/METHOD.md §4, partial labels): the scribble filter accepts an ROI
+covering *any* scribble of its class (the reference takes only the scribble the ROI covers most, which
+can be of another class); the box kind and per-object mixing do not exist there (one global switch:
+every image points, or every image scribbles); an empty scribble is an error at loading (the reference
+substitutes the box [1, 2, 3, 4]).
 """
 
 from __future__ import annotations
