@@ -206,6 +206,21 @@ def test_runs_are_grouped_by_every_setting_that_differs_except_seed_and_output_d
     assert [(g.label, g.seeds) for g in alike.groups] == [("all runs", [1, 1, 1, 1])]
 
 
+def test_a_train_set_setting_groups_by_its_command_line_name(tmp_path):
+    root = tmp_path / "sweep"
+    for partial in ("null", "data/toy/partial/points.json"):
+        for seed in (1, 2):
+            fake_run(root / f"p={partial.replace('/', '_')},seed={seed}",
+                     f"data.train.sets.0.partial_labels={partial}", seed=seed,
+                     final=evaluation(1.0, 1.0, 1.0, 1.0))  # fmt: skip
+    summary = summarize_runs([root])
+    assert summary.keys == ("data.train.sets.0.partial_labels",)
+    assert sorted((g.label, g.seeds) for g in summary.groups) == [
+        ("data.train.sets.0.partial_labels=data/toy/partial/points.json", [1, 2]),
+        ("data.train.sets.0.partial_labels=null", [1, 2]),
+    ]
+
+
 # -- skipped runs and errors ---------------------------------------------------------------------------
 
 

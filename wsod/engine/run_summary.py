@@ -520,11 +520,15 @@ def write_summary(summary: Summary, out_dir: str | os.PathLike) -> tuple[Path, P
 
 def _flatten(node: Any, prefix: str = "") -> dict[str, Any]:
     """Nested dicts -> dotted keys, as ``wsod.config_checks.flatten``, but lists become tuples: grouping
-    hashes the values."""
+    hashes the values. A list of mappings (``data.train.sets``) is flattened by index, as the command
+    line names its items: ``data.train.sets.0.partial_labels``."""
     flat: dict[str, Any] = {}
     for key, value in node.items():
         if isinstance(value, Mapping):
             flat.update(_flatten(value, f"{prefix}{key}."))
+        elif isinstance(value, list | tuple) and value and all(isinstance(v, Mapping) for v in value):
+            for index, item in enumerate(value):
+                flat.update(_flatten(item, f"{prefix}{key}.{index}."))
         else:
             flat[f"{prefix}{key}"] = _frozen(value)
     return flat
