@@ -32,7 +32,7 @@ def _inputs():
     return images, proposals, labels
 
 
-def _result() -> dict:
+def _model():
     torch.manual_seed(0)
     model = build_detector("resnet18", num_classes=3, chunk_size=4, width=0.25)
     # Head weights of N(0, 0.001) give near-uniform scores; scale them up so ranks and NMS matter.
@@ -40,6 +40,11 @@ def _result() -> dict:
         for name, p in model.named_parameters():
             if name.startswith(("mil_head", "students")) and name.endswith("weight"):
                 p.mul_(30)
+    return model
+
+
+def _result() -> dict:
+    model = _model()
     images, proposals, labels = _inputs()
     losses = model(images, proposals, labels)
     model.eval()
@@ -73,12 +78,7 @@ def test_losses_and_detections_match_the_stored_golden_result():
 def test_images_without_partial_labels_train_exactly_as_with_image_labels_alone():
     """Empty partial-label fields (an image without points, scribbles or boxes in a dataset that has
     them), and an image's partial labels, change nothing for the other images: the golden losses."""
-    torch.manual_seed(0)
-    model = build_detector("resnet18", num_classes=3, chunk_size=4, width=0.25)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if name.startswith(("mil_head", "students")) and name.endswith("weight"):
-                p.mul_(30)
+    model = _model()
     images, proposals, labels = _inputs()
     empty = {
         "points": torch.zeros(0, 2),

@@ -19,7 +19,6 @@ permutation of ``seed``: the same command writes the same file.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
 from dataclasses import dataclass
 from fractions import Fraction
 
@@ -142,9 +141,3 @@ def simulate_partial_label(
     if kind == "box":
         return [float(v) for v in obj.box]
     raise ValueError(f"unknown kind {kind!r}: expected point, scribble or box")
-
-
-def objects_of(boxes: np.ndarray, masks: Sequence[np.ndarray | None] | None = None) -> list[SimulatedObject]:
-    """``SimulatedObject``s of boxes (G, 4) and optional masks (G of (H, W) bool or None)."""
-    masks = [None] * len(boxes) if masks is None else list(masks)
-    return [SimulatedObject(np.asarray(b, np.float32), m) for b, m in zip(boxes, masks, strict=True)]
