@@ -16,7 +16,9 @@ from hydra import compose, initialize_config_dir
 
 from wsod.config_checks import (
     EVAL_RULES,
+    EXPORT_RULES,
     PREDICT_RULES,
+    STAGE2_RULES,
     TRAIN_RULES,
     ConfigError,
     check_config,
@@ -30,6 +32,8 @@ RULES = {
     "train": ("TRAIN_RULES", TRAIN_RULES),
     "eval": ("EVAL_RULES", EVAL_RULES),
     "predict": ("PREDICT_RULES", PREDICT_RULES),
+    "export": ("EXPORT_RULES", EXPORT_RULES),
+    "stage2": ("STAGE2_RULES", STAGE2_RULES),
 }
 
 
@@ -50,6 +54,10 @@ COMPOSED = (
     + [("train", [f"{group}={option}"]) for group in ("data", "model", "method", "solver", "experiment")
        for option in _options(group)]
     + [("eval", [f"data={option}"]) for option in _options("data")]
+    + [("export", []), ("stage2", [])]
+    + [("export", [f"data={option}"]) for option in _options("data")]
+    + [("stage2", [f"{group}={option}"]) for group in ("data", "detector", "stage2_experiment")
+       for option in _options(group)]
 )  # fmt: skip
 
 

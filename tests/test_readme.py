@@ -32,7 +32,14 @@ from hydra._internal.core_plugins.basic_sweeper import BasicSweeper  # the sweep
 from hydra.core.override_parser.overrides_parser import OverridesParser
 from omegaconf import OmegaConf
 
-from wsod.config_checks import EVAL_RULES, PREDICT_RULES, TRAIN_RULES, check_config
+from wsod.config_checks import (
+    EVAL_RULES,
+    EXPORT_RULES,
+    PREDICT_RULES,
+    STAGE2_RULES,
+    TRAIN_RULES,
+    check_config,
+)
 
 ROOT = Path(__file__).resolve().parents[1]
 DOCUMENTS = ("README.md", "docs/BENCHMARKS.md", "data/README.md")
@@ -40,6 +47,8 @@ HYDRA_TOOLS = {
     "train.py": ("train", TRAIN_RULES),
     "eval.py": ("eval", EVAL_RULES),
     "predict.py": ("predict", PREDICT_RULES),
+    "export_pseudo_labels.py": ("export", EXPORT_RULES),
+    "train_stage2.py": ("stage2", STAGE2_RULES),
 }
 
 

@@ -16,7 +16,9 @@ from torchvision.transforms import v2
 from wsod.data.coco import CocoDataset
 from wsod.data.dataset import ConcatWeakDataset, WeakDetectionDataset
 from wsod.data.folder import SPLIT_SEED, TEST_FRACTION, FolderDataset, require_proposals
+from wsod.data.pseudo_boxes import attach_pseudo_boxes
 from wsod.data.roi_sampling import PartialLabelRoiSampler
+from wsod.data.targets import check_supervision
 from wsod.data.toy import ensure_toy_dataset
 from wsod.data.transforms import train_transform
 from wsod.data.voc import VOCDataset
@@ -29,6 +31,8 @@ from wsod.engine.evaluate import Evaluator
 from wsod.engine.solver import build_optimizer as _build_optimizer
 from wsod.engine.solver import build_scheduler as _build_scheduler
 from wsod.modeling.detector import METHODS, WeaklySupervisedDetector, build_detector
+from wsod.modeling.faster_rcnn import ARCHITECTURE as FASTER_RCNN
+from wsod.modeling.faster_rcnn import FasterRCNNDetector, build_faster_rcnn
 from wsod.modeling.method import MOVED_TO_METHOD, RefinementMethod
 from wsod.modeling.refinement import MISTLabeler, OICRLabeler, PseudoLabeler
 
@@ -38,10 +42,13 @@ __all__ = [
     "build_method",
     "build_labeler",
     "build_model",
+    "build_stage2_model",
     "load_detector",
     "prepare_data",
     "build_train_dataset",
     "build_test_dataset",
+    "build_export_datasets",
+    "build_stage2_train_dataset",
     "build_evaluator",
     "build_optimizer",
     "build_adversary",
@@ -129,12 +136,24 @@ def build_model(
     )
 
 
+def build_stage2_model(detector_cfg: DictConfig | dict, num_classes: int) -> FasterRCNNDetector:
+    """The second-stage detector of a ``configs/detector`` node (every key but ``name`` is a
+    ``build_faster_rcnn`` argument)."""
+    options = _plain(detector_cfg)
+    name = options.pop("name", FASTER_RCNN)
+    if name != FASTER_RCNN:
+        raise ValueError(f"detector.name='{name}': the second stage has one detector, {FASTER_RCNN}")
+    return build_faster_rcnn(num_classes, **options)
+
+
 def load_detector(
     checkpoint_path: str | Path, map_location: str | torch.device = "cpu"
-) -> tuple[WeaklySupervisedDetector, dict[str, Any]]:
+) -> tuple[WeaklySupervisedDetector | FasterRCNNDetector, dict[str, Any]]:
     """The detector a wsod checkpoint holds, rebuilt from the settings stored in it, with its weights;
     returns ``(model, metadata)`` (``metadata["classes"]``: the class names). The model is in eval mode
-    on ``map_location``. ImageNet weights are never fetched: the checkpoint holds every weight."""
+    on ``map_location``. ImageNet weights are never fetched: the checkpoint holds every weight. A
+    second-stage checkpoint (``metadata["architecture"] == "faster_rcnn"``, tools/train_stage2.py) gives
+    its ``FasterRCNNDetector``."""
     checkpoint = load_checkpoint(checkpoint_path, map_location)
     metadata = dict(checkpoint.get("metadata") or {})
     if "model" not in metadata or "classes" not in metadata:
@@ -142,6 +161,10 @@ def load_detector(
             f"{checkpoint_path} holds no model settings (metadata.model, metadata.classes): not a wsod"
             " checkpoint?"
         )
+    if metadata.get("architecture") == FASTER_RCNN:
+        model = build_stage2_model({**metadata["model"], "weights": None}, len(metadata["classes"]))
+        model.load_state_dict(checkpoint["model"])
+        return model.to(map_location).eval(), metadata
     # Settings in an older checkpoint's layout (the method's among the model's) are read too.
     model_settings, method_settings = _current_settings(
         dict(metadata["model"]), _plain(metadata.get("method"))
@@ -234,6 +257,47 @@ def build_train_dataset(data_cfg: DictConfig) -> Dataset:
         for source in train.sets
     ]
     return sets[0] if len(sets) == 1 else ConcatWeakDataset(sets)
+
+
+def build_export_datasets(data_cfg: DictConfig) -> list[WeakDetectionDataset]:
+    """The training sets of ``data.train`` without a transform, their unlabelled images left out, for
+    tools/export_pseudo_labels.py to predict (at the test views) and label."""
+    train = data_cfg.train
+    return [
+        _open(data_cfg, source, transform=None, max_proposals=train.max_proposals, drop_unlabelled=True)
+        for source in train.sets
+    ]
+
+
+def build_stage2_train_dataset(data_cfg: DictConfig, pseudo_labels: str | Path) -> Dataset:
+    """The training images of ``data.train`` with the pseudo boxes of ``pseudo_labels`` (a json of
+    tools/export_pseudo_labels.py) as their supervision, under the training transform (scales, flip,
+    lighting); images the json does not hold are left out (``wsod.data.pseudo_boxes``)."""
+    train = data_cfg.train
+    transform = train_transform(
+        list(train.scales),
+        train.max_size,
+        flip_prob=0.5 if train.flip else 0.0,
+        lighting_std=train.lighting_std,
+    )
+    sets = [
+        _open(data_cfg, source, transform=transform, max_proposals=train.max_proposals, drop_unlabelled=True)
+        for source in train.sets
+    ]
+    whole = ConcatWeakDataset(sets) if len(sets) > 1 else None
+    records = [r for d in sets for r in d.records]
+    labelled = attach_pseudo_boxes(records, sets[0].classes, pseudo_labels)
+    by_path = {r.path: r for r in labelled}
+    for dataset in sets:
+        dataset.records = [by_path[r.path] for r in dataset.records if r.path in by_path]
+        for r in dataset.records:
+            check_supervision(
+                r.supervision, (r.height, r.width), f"{pseudo_labels}: image {r.image_id!r} ({r.path})"
+            )
+    sets = [d for d in sets if d.records]
+    if whole is not None:
+        return ConcatWeakDataset(sets) if len(sets) > 1 else sets[0]
+    return sets[0]
 
 
 def build_test_dataset(data_cfg: DictConfig) -> WeakDetectionDataset:

@@ -38,6 +38,8 @@ __all__ = [
     "TRAIN_RULES",
     "EVAL_RULES",
     "PREDICT_RULES",
+    "EXPORT_RULES",
+    "STAGE2_RULES",
 ]
 
 
@@ -117,6 +119,10 @@ _CLASSES = _Rule(
         )
     ),
     "null or a list of distinct class names, e.g. [cat,dog]",
+)
+_CLASSES_OR_EMPTY = _Rule(
+    lambda v: v is None or (isinstance(v, list | tuple) and all(isinstance(c, str) and c.strip() for c in v)),
+    "a list of class names, e.g. [bottle,chair] (or [] for none)",
 )
 _SPLIT = _choice(*FOLDER_SPLITS)
 # A VOC year: "2007" in the configs, 2012 when Hydra parses a command-line override as a number.
@@ -301,6 +307,62 @@ PREDICT_RULES: dict[str, _Rule] = {
 }
 
 
+_RUN_KEYS = (
+    "seed", "resume", "log_period", "checkpoint_period", "keep_checkpoints", "eval_period", "max_nonfinite",
+)  # fmt: skip
+_STAGE2_SOLVER_KEYS = (
+    "optimizer", "lr", "momentum", "weight_decay", "bias_lr_factor", "bias_weight_decay", "ims_per_batch",
+    "accumulation", "max_iter", "milestones", "gamma", "warmup_iters", "warmup_factor", "amp",
+    "momentum_rescale",
+)  # fmt: skip
+
+# tools/train_stage2.py (configs/stage2.yaml, configs/detector/): the run and solver keys as training's.
+STAGE2_RULES: dict[str, _Rule] = {
+    **_COMMON,
+    **{key: TRAIN_RULES[key] for key in _RUN_KEYS},
+    **{f"solver.{key}": TRAIN_RULES[f"solver.{key}"] for key in _STAGE2_SOLVER_KEYS},
+    "pseudo_labels": _path("pseudo_labels=runs/my_run/pseudo_labels/pseudo_labels.json"),
+    "detector.name": _choice("faster_rcnn"),
+    "detector.backbone": _choice("resnet18", "resnet34", "resnet50", "resnet101"),
+    "detector.width": _number(0, above=True),
+    "detector.weights": TRAIN_RULES["model.weights"],
+    "detector.norm": _choice("frozen_bn", "bn"),
+    "detector.freeze_at": _integer(0, 5),
+    "detector.fpn_channels": _integer(1),
+    "detector.anchor_sizes": _Rule(
+        lambda v: isinstance(v, list | tuple) and len(v) == 5 and all(_is_int(s) and s > 0 for s in v),
+        "five positive integers, one anchor size per FPN level P2..P6, e.g. [32,64,128,256,512]",
+    ),
+    "detector.aspect_ratios": _Rule(
+        lambda v: isinstance(v, list | tuple) and len(v) > 0 and all(_is_number(s) and s > 0 for s in v),
+        "a non-empty list of positive numbers, e.g. [0.5,1.0,2.0]",
+    ),
+    "detector.rpn_pre_nms_top_n_train": _integer(1),
+    "detector.rpn_post_nms_top_n_train": _integer(1),
+    "detector.rpn_pre_nms_top_n_test": _integer(1),
+    "detector.rpn_post_nms_top_n_test": _integer(1),
+    "detector.rpn_batch_size_per_image": _integer(1),
+    "detector.box_batch_size_per_image": _integer(1),
+    "detector.representation_size": _integer(1),
+    "detector.nms_iou": _number(0, 1),
+    "detector.score_threshold": _number(0, 1),
+    "detector.detections_per_image": _integer(1),
+}
+
+# tools/export_pseudo_labels.py (configs/export.yaml).
+EXPORT_RULES: dict[str, _Rule] = {
+    **{key: rule for key, rule in _COMMON.items() if key != "random_baseline"},
+    "checkpoint": _path("checkpoint=runs/my_run/model_final.pth"),
+    "overwrite": _FLAG,
+    "rule.min_score": _number(0, 1),
+    "rule.containment": _Rule(
+        lambda v: v is None or (_is_number(v) and 0 < v <= 1), "null or a number > 0 and <= 1"
+    ),
+    "rule.containment_exempt": _CLASSES_OR_EMPTY,
+    "detections_per_image": _integer(1, optional=True),
+}
+
+
 def flatten(node: Mapping[str, Any] | DictConfig, prefix: str = "") -> dict[str, Any]:
     """Nested config -> ``{"solver.lr": 0.01, ...}``; lists stay values."""
     if isinstance(node, DictConfig):
@@ -330,7 +392,7 @@ def check_config(cfg: DictConfig | Mapping[str, Any], rules: Mapping[str, _Rule]
     ]
     max_iter, milestones = flat.get("solver.max_iter"), flat.get("solver.milestones")
     if (
-        rules is TRAIN_RULES
+        rules in (TRAIN_RULES, STAGE2_RULES)
         and TRAIN_RULES["solver.max_iter"].accepts(max_iter)
         and _MILESTONES.accepts(milestones)
         and any(m > max_iter for m in milestones)
@@ -399,6 +461,8 @@ _FIXED_ON_RESUME = {
     "data.train": "the training images, their order and their augmentation must be the checkpoint's",
     "model": "the saved weights belong to the saved architecture",
     "method.num_students": "the saved weights hold that many students",
+    "detector": "the saved weights belong to the saved architecture",
+    "pseudo_labels": "the training boxes must be the checkpoint's",
 }
 # Inside those prefixes, these may change: they do not touch weights or data order.
 _FREE_ON_RESUME = (
@@ -407,6 +471,7 @@ _FREE_ON_RESUME = (
     "model.test_chunk_size",
     "model.memory_budget_gb",
     "model.weights",
+    "detector.weights",
 )
 
 

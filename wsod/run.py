@@ -99,6 +99,7 @@ from wsod.engine.run_log import RunLog
 from wsod.engine.train import train
 from wsod.engine.visualize import draw_detections, save_png
 from wsod.evaluation.coco import save_coco_results, to_named_results
+from wsod.modeling.faster_rcnn import FasterRCNNDetector
 
 __all__ = [
     "train_from_config",
@@ -493,15 +494,17 @@ def _predict_in(out_dir: Path, cfg: DictConfig, device: torch.device) -> dict[st
     model, metadata = load_detector(cfg.checkpoint, device)
     classes = list(metadata["classes"])
     scales, max_size, flip, max_proposals = _views(cfg, metadata)
-    proposals = None if cfg.proposals is None else load_proposals(cfg.proposals)
+    proposes_itself = isinstance(model, FasterRCNNDetector)  # a second stage: its RPN makes the boxes
+    proposals = None if cfg.proposals is None or proposes_itself else load_proposals(cfg.proposals)
+    mode = None if proposes_itself else cfg.selective_search
     source = f"proposals {cfg.proposals}" if cfg.proposals else f"Selective Search ({cfg.selective_search})"
+    if proposes_itself:
+        source = "its own region proposals (a second-stage detector)"
     logger.info(
         "predicting %d images of %s with %s (%d classes), views %s%s, %s",
         len(files), cfg.input, cfg.checkpoint, len(classes), scales, " + flips" if flip else "", source,
     )  # fmt: skip
-    images = ImageFiles(
-        files, names, len(classes), proposals, mode=cfg.selective_search, max_proposals=max_proposals
-    )
+    images = ImageFiles(files, names, len(classes), proposals, mode=mode, max_proposals=max_proposals)
     with torch.no_grad():
         detections = predict(
             model, images, scales=scales, max_size=max_size, flip=flip, num_workers=cfg.num_workers,

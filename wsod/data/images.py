@@ -68,7 +68,8 @@ def find_images(spec: str | os.PathLike) -> tuple[list[Path], list[str]]:
 class ImageFiles(Dataset):
     """Images by path, as ``WeakDetectionDataset`` items without labels (what ``predict`` reads): the
     decoded image, its ``file_name`` as the id, and its proposals, from ``proposals`` (looked up by
-    file name) or by Selective Search (``mode``) when it is None."""
+    file name) or by Selective Search (``mode``) when it is None; ``mode=None``: none at all, the whole
+    image stands in (a second-stage detector, which proposes its own boxes)."""
 
     transform = None  # predict applies the test views itself
 
@@ -79,7 +80,7 @@ class ImageFiles(Dataset):
         num_classes: int,
         proposals: ProposalSet | None = None,
         *,
-        mode: str = "fast",
+        mode: str | None = "fast",
         max_proposals: int | None = None,
         min_size: float = 2.0,
     ) -> None:
@@ -95,7 +96,9 @@ class ImageFiles(Dataset):
     def __getitem__(self, index: int) -> dict[str, Any]:
         image = load_image(self.files[index])
         size = (image.shape[-2], image.shape[-1])
-        if self.proposals is None:
+        if self.proposals is None and self.mode is None:
+            raw = whole_image_box(size).numpy()
+        elif self.proposals is None:
             bgr = np.ascontiguousarray(image.permute(1, 2, 0).numpy()[..., ::-1])
             raw = selective_search(bgr, self.mode)
         else:

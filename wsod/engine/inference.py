@@ -3,7 +3,9 @@
 Test-time augmentation (docs/METHOD.md §5): every image is run at each scale, and flipped too when asked;
 per-ROI class probabilities and decoded boxes (in original pixels, flipped ones mirrored back) are
 averaged over the passes before the per-class NMS. All passes of an image share its proposals, because
-proposals are filtered before any transform.
+proposals are filtered before any transform. A second-stage detector (``FasterRCNNDetector``) has no
+shared proposals: each view's detections (flips mirrored back) are pooled and merged by per-class NMS
+(``merge_views``), the union-then-NMS rule of detectron2's test-time augmentation for boxes.
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ from wsod.data.transforms import test_transform
 from wsod.distributed import gather_to_main, get_rank, get_world_size
 from wsod.engine.amp import autocast, resolve_amp
 from wsod.modeling.detector import WeaklySupervisedDetector
+from wsod.modeling.faster_rcnn import FasterRCNNDetector, merge_views
 
 __all__ = ["MultiViewDataset", "tta_views", "predict", "random_detections"]
 
@@ -62,7 +65,7 @@ def _unflip(boxes: Tensor, width: int) -> Tensor:
 
 @torch.no_grad()
 def predict(
-    model: WeaklySupervisedDetector,
+    model: WeaklySupervisedDetector | FasterRCNNDetector,
     dataset: Dataset,
     *,
     scales: Sequence[int],
@@ -102,6 +105,9 @@ def predict(
         loader, desc=f"predict ({len(views)} views)", disable=not (progress and rank == 0), dynamic_ncols=True
     )
     for batches in bar:
+        if isinstance(model, FasterRCNNDetector):
+            results += _detect_views(model, batches, device, amp)
+            continue
         totals: list[list[Tensor]] | None = None
         for batch in batches:
             inputs = model_inputs(batch, device)
@@ -138,6 +144,39 @@ def predict(
         for position, detections in zip(range(r, len(dataset), world), part, strict=True):
             ordered[position] = detections
     return ordered
+
+
+def _detect_views(
+    model: FasterRCNNDetector, batches: list[dict], device: torch.device, amp: str | None
+) -> Detections:
+    """A second-stage detector's detections of one batch of images, each view (a batch) run alone,
+    flips mirrored back, then merged per image (``merge_views``)."""
+    per_image: list[list[dict[str, Tensor]]] = [[] for _ in batches[0]["image_ids"]]
+    for batch in batches:
+        inputs = model_inputs(batch, device)
+        with autocast(device, amp):
+            found = model.detect(inputs["images"], inputs["image_sizes"], inputs["original_sizes"])
+        for views, det, size, flipped in zip(
+            per_image, found, inputs["original_sizes"], batch["flipped"], strict=True
+        ):
+            boxes = det["boxes"].float()
+            views.append(
+                {
+                    **det,
+                    "boxes": _unflip(boxes, size[1]) if flipped else boxes,
+                    "scores": det["scores"].float(),
+                }
+            )
+    merged = [
+        merge_views(
+            views,
+            nms_iou=model.nms_iou,
+            detections_per_image=model.detections_per_image,
+            num_classes=model.num_classes,
+        )  # fmt: skip
+        for views in per_image
+    ]
+    return [{k: v.cpu() for k, v in detections.items()} for detections in merged]
 
 
 def random_detections(

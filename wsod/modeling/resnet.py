@@ -20,7 +20,15 @@ from wsod.modeling.backbone import Backbone
 from wsod.modeling.frozen_bn import FrozenBatchNorm2d
 from wsod.modeling.pretrained import load_state_dict
 
-__all__ = ["build_resnet_c4", "resnet_c4_backbone", "ResNetNeck", "make_norm_layer", "RES5_SPATIAL_STRIDE"]
+__all__ = [
+    "build_resnet_trunk",
+    "stage_channels",
+    "build_resnet_c4",
+    "resnet_c4_backbone",
+    "ResNetNeck",
+    "make_norm_layer",
+    "RES5_SPATIAL_STRIDE",
+]
 
 # res5's first block has stride 2: 14x14 pooled ROI features come out as 7x7.
 RES5_SPATIAL_STRIDE = 2
@@ -107,32 +115,25 @@ class _ResNetTrunk(nn.Module):
                 nn.init.zeros_(m.bias)
 
 
-def build_resnet_c4(
+def build_resnet_trunk(
     depth: int = 50,
     *,
     width: float = 1.0,
     weights: str | None = None,
     norm: str = "frozen_bn",
     neck_norm: str | None = None,
-    freeze_at: int = 2,
-) -> tuple[nn.Sequential, nn.Sequential]:
-    """Build the C4 base and the res5 neck.
+) -> nn.Module:
+    """The ResNet without its classifier: children ``conv1``, ``bn1``, ``relu``, ``maxpool``, ``layer1`` ..
+    ``layer4`` in forward order, with torchvision's parameter names (``build_resnet_c4`` splits it at res5;
+    ``wsod.modeling.faster_rcnn`` reads its four stages through an FPN).
 
     Args:
         depth: 18, 34, 50 or 101.
         width: channel multiplier of every stage (1.0 = torchvision's network; 0.25 for CPU toys).
         weights: ImageNet weights (torchvision name or file path); ``None`` for random initialisation.
-        norm: normalisation of the base, see ``make_norm_layer``.
-        neck_norm: normalisation of res5 (default: same as ``norm``). Keep it per-sample (frozen_bn or
-            gn) when the neck runs under sequential backprop.
-        freeze_at: 0 trains everything, 1 freezes the stem, 2 the stem and res2 (detectron2's meaning).
-
-    Returns:
-        base: images (B, 3, H, W) -> features (B, C4, H/16, W/16); ``base.out_channels`` = C4.
-        res5: pooled ROI features (R, C4, S, S) -> (R, C5, S/2, S/2); ``res5.out_channels`` = C5.
+        norm: normalisation of the stem and ``layer1`` .. ``layer3``, see ``make_norm_layer``.
+        neck_norm: normalisation of ``layer4`` (default: same as ``norm``).
     """
-    if not 0 <= freeze_at <= 5:
-        raise ValueError(f"freeze_at must be in 0..5, got {freeze_at}")
     neck_norm = neck_norm or norm
     trunk = _ResNetTrunk(depth, width, make_norm_layer(norm), make_norm_layer(neck_norm))
     if weights is not None:
@@ -151,6 +152,39 @@ def build_resnet_c4(
                 f"weights '{weights}' do not fit resnet{depth}: missing {missing[:5]},"
                 f" unexpected {unexpected[:5]}"
             )
+    return trunk
+
+
+def stage_channels(stage: nn.Sequential) -> int:
+    """The output channels of a residual stage (``layer1`` .. ``layer4``)."""
+    last = stage[-1]
+    return (last.conv3 if isinstance(last, Bottleneck) else last.conv2).out_channels
+
+
+def build_resnet_c4(
+    depth: int = 50,
+    *,
+    width: float = 1.0,
+    weights: str | None = None,
+    norm: str = "frozen_bn",
+    neck_norm: str | None = None,
+    freeze_at: int = 2,
+) -> tuple[nn.Sequential, nn.Sequential]:
+    """Build the C4 base and the res5 neck.
+
+    Args:
+        depth, width, weights, norm: see ``build_resnet_trunk``.
+        neck_norm: normalisation of res5 (default: same as ``norm``). Keep it per-sample (frozen_bn or
+            gn) when the neck runs under sequential backprop.
+        freeze_at: 0 trains everything, 1 freezes the stem, 2 the stem and res2 (detectron2's meaning).
+
+    Returns:
+        base: images (B, 3, H, W) -> features (B, C4, H/16, W/16); ``base.out_channels`` = C4.
+        res5: pooled ROI features (R, C4, S, S) -> (R, C5, S/2, S/2); ``res5.out_channels`` = C5.
+    """
+    if not 0 <= freeze_at <= 5:
+        raise ValueError(f"freeze_at must be in 0..5, got {freeze_at}")
+    trunk = build_resnet_trunk(depth, width=width, weights=weights, norm=norm, neck_norm=neck_norm)
 
     stem = nn.Sequential(
         OrderedDict(conv1=trunk.conv1, bn1=trunk.bn1, relu=trunk.relu, maxpool=trunk.maxpool)
@@ -161,14 +195,9 @@ def build_resnet_c4(
     res5 = trunk.layer4
     if freeze_at >= 5:
         res5.requires_grad_(False)
-    base.out_channels = _out_channels(trunk.layer3)
-    res5.out_channels = _out_channels(trunk.layer4)
+    base.out_channels = stage_channels(trunk.layer3)
+    res5.out_channels = stage_channels(trunk.layer4)
     return base, res5
-
-
-def _out_channels(stage: nn.Sequential) -> int:
-    last = stage[-1]
-    return (last.conv3 if isinstance(last, Bottleneck) else last.conv2).out_channels
 
 
 class ResNetNeck(nn.Sequential):

@@ -1,0 +1,226 @@
+"""The second stage end to end on the tiny toy set: the README pipeline (train -> export -> train stage 2
+-> eval) word for word with a short schedule, the exported json's guarantees, tools/predict.py on a
+second-stage checkpoint, and an exact resume of a second-stage run."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import re
+import shlex
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from hydra import compose, initialize_config_dir
+from pycocotools.coco import COCO
+from tiny_run import TINY_TOY, tiny_overrides
+
+from wsod.config_checks import ConfigError
+from wsod.data.toy import ensure_toy_dataset
+from wsod.run import evaluate_from_config, predict_from_config, train_from_config
+from wsod.stage2 import export_from_config, train_stage2_from_config
+
+ROOT = Path(__file__).resolve().parents[1]
+ENTRY_POINTS = {
+    "tools/train.py": ("train", train_from_config),
+    "tools/export_pseudo_labels.py": ("export", export_from_config),
+    "tools/train_stage2.py": ("stage2", train_stage2_from_config),
+    "tools/eval.py": ("eval", evaluate_from_config),
+}
+# The smallest second-stage detector: the pipeline's steps and files, not its accuracy, are tested here.
+TINY_DETECTOR = [
+    "detector.fpn_channels=16", "detector.representation_size=32", "detector.box_batch_size_per_image=32",
+    "detector.rpn_post_nms_top_n_train=100", "detector.rpn_post_nms_top_n_test=50",
+]  # fmt: skip
+
+
+def _compose(name: str, overrides: list[str]):
+    with initialize_config_dir(config_dir=str(ROOT / "configs"), version_base="1.3"):
+        return compose(config_name=name, overrides=overrides)
+
+
+def readme_pipeline() -> list[str]:
+    """The README's toy pipeline: the first bash block of its "Second stage" section."""
+    section = (ROOT / "README.md").read_text().split("## Second stage", 1)[1]
+    block = re.search(r"```bash\n(.*?)```", section, flags=re.S).group(1)
+    return [re.sub(r"\s+#.*$", "", line).strip() for line in block.splitlines() if line.strip()]
+
+
+def _short(root: Path, name: str, run_dir: Path | None = None) -> list[str]:
+    """The short schedule on the tiny toy set for each entry point (appended to a README command)."""
+    data = [o for o in tiny_overrides(root, Path("unused")) if o.startswith("data.")]
+    if name == "train":
+        return [o for o in tiny_overrides(root, Path("unused")) if not o.startswith("output_dir=")]
+    if name == "stage2":
+        run = [o for o in tiny_overrides(root, Path("unused")) if o.split("=")[0] in _RUN_KEYS]
+        return [*data, *run, *TINY_DETECTOR]
+    return [*data, "progress=false"]
+
+
+_RUN_KEYS = (
+    "solver.max_iter",
+    "solver.warmup_iters",
+    "solver.milestones",
+    "log_period",
+    "checkpoint_period",
+    "progress",
+)
+
+
+@pytest.fixture(scope="module")
+def pipeline(tiny_toy_root, tmp_path_factory):
+    """The README pipeline, run in a scratch working directory: that directory and each step's result."""
+    workdir = tmp_path_factory.mktemp("pipeline")
+    results = []
+    cwd = Path.cwd()
+    os.chdir(workdir)  # the README's relative run directories land here
+    try:
+        for command in readme_pipeline():
+            words = shlex.split(command)
+            name, entry = ENTRY_POINTS[words[1]]
+            results.append(entry(_compose(name, words[2:] + _short(tiny_toy_root, name))))
+    finally:
+        os.chdir(cwd)
+    return workdir, results
+
+
+def test_the_readme_pipeline_runs_word_for_word_with_a_short_schedule(pipeline):
+    workdir, (stage1, export, stage2, evaluation) = pipeline
+    assert [shlex.split(c)[1] for c in readme_pipeline()] == list(ENTRY_POINTS)
+    run_dir = workdir / "runs" / "toy_stage2"
+    names = {p.name for p in run_dir.iterdir()}
+    assert {"config.yaml", "log.txt", "metrics.jsonl", "tb", "model_final.pth", "eval"} <= names
+    assert {"model_0000002.pth", "model_0000004.pth"} <= names
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    train_rows = [r for r in rows if r["kind"] == "train"]
+    assert [r["iteration"] for r in train_rows] == [1, 2, 3, 4]
+    assert {"loss_classifier", "loss_box_reg", "loss_objectness", "loss_rpn_box_reg"} <= set(train_rows[0])
+    assert "copypaste: mAP(voc07,iou=0.5)=" in (run_dir / "eval" / "report.txt").read_text()
+    assert stage2["iteration"] == 4 and "mAP" in stage2["final"]
+    # tools/eval.py on the second-stage checkpoint: the numbers its training's final evaluation gave.
+    assert evaluation["mAP"] == pytest.approx(stage2["final"]["mAP"])
+    assert evaluation["CorLoc"] == pytest.approx(stage2["final"]["CorLoc"])
+    assert export["images"] == TINY_TOY["num_train"] and stage1["iteration"] == 4
+    assert "pseudo_labels" in (workdir / "runs" / "toy_stage2" / "config.yaml").read_text()
+
+
+def test_the_exported_json_loads_and_holds_a_box_for_every_label_and_only_for_labels(pipeline, tiny_toy_root):
+    workdir, _ = pipeline
+    out = workdir / "runs" / "toy_stage1" / "pseudo_labels"
+    coco = COCO(str(out / "pseudo_labels.json"))
+    summary = json.loads((out / "summary.json").read_text())
+    assert {"images", "boxes", "boxes_per_image", "boxes_per_class", "quality"} <= set(summary)
+    assert 0 <= summary["quality"]["precision"] <= 1 and 0 <= summary["quality"]["recall"] <= 1
+    toy = ensure_toy_dataset(tiny_toy_root, **TINY_TOY).dataset("trainval")
+    root = Path(coco.dataset["info"]["images_root"])
+    by_name = {Path(r.path).name: r for r in toy.records}
+    assert len(coco.imgs) == len(toy.records)
+    for image_id, image in coco.imgs.items():
+        record = by_name[image["file_name"]]
+        assert (root / image["file_name"]).resolve() == Path(record.path).resolve()  # the source image
+        assert image_id == int(record.image_id) and image["source_id"] == record.image_id
+        annotations = coco.loadAnns(coco.getAnnIds(imgIds=[image_id]))
+        classes = {a["category_id"] - 1 for a in annotations}
+        assert classes == set(torch.nonzero(torch.as_tensor(record.labels)).flatten().tolist())
+        for a in annotations:
+            x, y, w, h = a["bbox"]
+            assert min(x, y, w, h) >= 0 and x + w <= record.width - 1 and y + h <= record.height - 1
+    results = coco.loadRes(
+        [{"image_id": next(iter(coco.imgs)), "category_id": 1, "bbox": [0, 0, 4, 4], "score": 1.0}]
+    )
+    assert len(results.anns) == 1
+
+
+def test_an_export_does_not_overwrite_an_earlier_one_unless_asked(pipeline, tiny_toy_root):
+    workdir, _ = pipeline
+    checkpoint = workdir / "runs" / "toy_stage1" / "model_final.pth"
+    overrides = [f"checkpoint={checkpoint}", *_short(tiny_toy_root, "export")]
+    with pytest.raises(ConfigError, match="pseudo_labels.json exists: overwrite=true replaces it"):
+        export_from_config(_compose("export", overrides))
+    # min_score 1 and no containment step: exactly one box per image label.
+    other = workdir / "other_export"
+    rule = ["rule.min_score=1.0", "rule.containment=null"]
+    one_box = export_from_config(_compose("export", [*overrides, f"output_dir={other}", *rule]))
+    toy = ensure_toy_dataset(tiny_toy_root, **TINY_TOY).dataset("trainval")
+    assert one_box["boxes"] == int(sum(r.labels.sum() for r in toy.records))
+    with pytest.raises(ConfigError, match=r"rule.containment_exempt=\['lion'\]"):
+        export_from_config(
+            _compose("export", [*overrides, "overwrite=true", "rule.containment_exempt=[lion]"])
+        )
+
+
+def test_predict_takes_a_second_stage_checkpoint_without_selective_search(
+    pipeline, tiny_toy_root, tmp_path, caplog
+):
+    workdir, _ = pipeline
+    images = tmp_path / "images"
+    images.mkdir()
+    for record in ensure_toy_dataset(tiny_toy_root, **TINY_TOY).dataset("test").records[:2]:
+        shutil.copy(record.path, images)
+    cfg = _compose(
+        "predict",
+        [f"checkpoint={workdir / 'runs' / 'toy_stage2' / 'model_final.pth'}", f"input={images}",
+         f"output={tmp_path / 'out'}", "score_threshold=0.0", "progress=false"],
+    )  # fmt: skip
+    summary = predict_from_config(cfg)
+    assert summary["images"] == 2
+    assert "its own region proposals" in caplog.text and "Selective Search" not in caplog.text
+    predictions = json.loads((tmp_path / "out" / "predictions.json").read_text())
+    assert all(0 <= p["category_id"] - 1 < 5 for p in predictions)
+
+
+def test_a_resumed_second_stage_run_reaches_the_same_weights(pipeline, tiny_toy_root, tmp_path):
+    workdir, _ = pipeline
+    pseudo = workdir / "runs" / "toy_stage1" / "pseudo_labels" / "pseudo_labels.json"
+    base = [f"pseudo_labels={pseudo}", *_short(tiny_toy_root, "stage2"), "random_baseline=false"]
+    straight = tmp_path / "straight"
+    train_stage2_from_config(_compose("stage2", [*base, f"output_dir={straight}"]))
+    interrupted = tmp_path / "interrupted"
+    shutil.copytree(straight, interrupted)
+    for name in ("model_0000004.pth", "model_final.pth"):
+        (interrupted / name).unlink()
+    shutil.rmtree(interrupted / "eval")
+    summary = train_stage2_from_config(
+        _compose("stage2", [*base, f"output_dir={interrupted}", "resume=true"])
+    )
+    assert summary["iteration"] == 4
+    ours = torch.load(interrupted / "model_final.pth", weights_only=False)
+    reference = torch.load(straight / "model_final.pth", weights_only=False)["model"]
+    assert ours["metadata"]["architecture"] == "faster_rcnn"
+    for name, value in reference.items():
+        torch.testing.assert_close(ours["model"][name], value, rtol=0, atol=0, msg=name)
+    two = torch.load(interrupted / "model_0000002.pth", weights_only=False)["model"]
+    assert any(not torch.equal(two[n], v) for n, v in reference.items() if v.is_floating_point())
+    with pytest.raises(ConfigError, match="detector.fpn_channels: 16 -> 32"):
+        train_stage2_from_config(
+            _compose(
+                "stage2", [*base, f"output_dir={interrupted}", "resume=true", "detector.fpn_channels=32"]
+            )
+        )
+
+
+@pytest.mark.slow
+def test_the_second_stage_trains_under_torchrun_with_two_gloo_processes(pipeline, tiny_toy_root, tmp_path):
+    """DDP: two processes of one image each write one run directory, log every step once, and evaluate
+    once (the losses differ from one process's: RPN and box sampling draw per process, and train-mode
+    BatchNorm normalises per process)."""
+    workdir, _ = pipeline
+    pseudo = workdir / "runs" / "toy_stage1" / "pseudo_labels" / "pseudo_labels.json"
+    run_dir = tmp_path / "ddp"
+    command = [
+        sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
+        "tools/train_stage2.py", f"pseudo_labels={pseudo}", f"output_dir={run_dir}", "solver.ims_per_batch=1",
+        *_short(tiny_toy_root, "stage2"),
+    ]  # fmt: skip
+    result = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert [r["iteration"] for r in rows if r["kind"] == "train"] == [1, 2, 3, 4]
+    assert [r["kind"] for r in rows].count("eval") == 1
+    assert all(math.isfinite(r["loss_total"]) for r in rows if r["kind"] == "train")
+    assert (run_dir / "model_final.pth").is_file()

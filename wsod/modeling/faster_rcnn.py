@@ -1,0 +1,300 @@
+"""The second stage: torchvision's Faster R-CNN (FPN) behind wsod's detector interface.
+
+A fully-supervised detector retrained on the pseudo boxes a weakly-supervised model exported
+(``tools/export_pseudo_labels.py``, docs/METHOD.md §12). Anchors, the RPN, the box head, the losses and
+the post-processing are torchvision's (``torchvision.models.detection.FasterRCNN``); what this file adds
+is the seam to the rest of wsod:
+
+- the batch of ``wsod.data.loader.collate`` goes in as is (``model(**model_inputs(batch))``, the
+  training loop's call): the training images of each item's ``targets`` ``boxes`` / ``box_labels``
+  (``wsod.data.pseudo_boxes``), resized and flipped by wsod's own transforms. torchvision's transform
+  therefore neither resizes nor normalises again (``PreparedImageTransform``): the data config's scales
+  are the only ones, as for the weakly-supervised model, and the same seeded augmentation stream makes
+  a resumed run exact. Proposals in the batch are ignored: the RPN makes its own.
+- boxes follow wsod's convention at the boundary (``wsod.data.box_formats``: 0-based inclusive
+  ``x2, y2``): a target's ``x2 + 1`` (in resized pixels: ``+ w / W``) is torchvision's continuous corner,
+  and detections come back with ``x2 - 1``, in original pixels, so that the devkit scores both stages
+  alike. torchvision's labels are 1..C (0 is its background); wsod's 0..C-1.
+- ``detect`` (one view of a batch) and ``postprocess`` (per-class NMS of per-ROI scores, the weakly
+  supervised detector's contract, used by the random baseline) serve ``wsod.engine.inference.predict``,
+  which merges the test views' detections by NMS (``merge_views``).
+
+The backbone is wsod's ResNet trunk (``wsod.modeling.resnet.build_resnet_trunk``: ImageNet weights by
+torchvision name or local file, a width multiplier for the CPU toy, frozen or train-mode BatchNorm)
+read through torchvision's ``BackboneWithFPN`` at strides 4 to 32, plus the max-pooled level at 64.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+from torch import Tensor, nn
+from torchvision.models.detection import FasterRCNN
+from torchvision.models.detection.anchor_utils import AnchorGenerator
+from torchvision.models.detection.backbone_utils import BackboneWithFPN
+from torchvision.models.detection.faster_rcnn import FastRCNNPredictor, TwoMLPHead
+from torchvision.models.detection.transform import GeneralizedRCNNTransform
+from torchvision.ops import batched_nms, remove_small_boxes
+
+from wsod.modeling.resnet import build_resnet_trunk, stage_channels
+
+__all__ = [
+    "ARCHITECTURE",
+    "FasterRCNNDetector",
+    "PreparedImageTransform",
+    "build_faster_rcnn",
+    "merge_views",
+]
+
+# The ``metadata["architecture"]`` of a second-stage checkpoint (``wsod.build.load_detector`` reads it;
+# weakly-supervised checkpoints have none).
+ARCHITECTURE = "faster_rcnn"
+# Detections whose clipped box is thinner than this (pixels) are dropped, as in the weak detector.
+MIN_BOX_SIZE = 1e-2
+
+
+class PreparedImageTransform(GeneralizedRCNNTransform):
+    """torchvision's detection transform for images that wsod's data pipeline has already resized and
+    normalised: it only batches (pads to a multiple of 32) and maps boxes back, which is the identity
+    here. Resizing twice would blur the images and make torchvision's random scale choice a second,
+    unseeded augmentation."""
+
+    def normalize(self, image: Tensor) -> Tensor:
+        return image
+
+    def resize(self, image: Tensor, target: dict[str, Tensor] | None = None) -> tuple[Tensor, dict | None]:
+        return image, target
+
+
+class FasterRCNNDetector(nn.Module):
+    """``detector`` (a torchvision ``FasterRCNN`` of ``num_classes + 1`` classes) with wsod's inputs and
+    outputs (the module docstring)."""
+
+    loss_names = ("loss_classifier", "loss_box_reg", "loss_objectness", "loss_rpn_box_reg")
+
+    def __init__(self, detector: FasterRCNN, num_classes: int) -> None:
+        super().__init__()
+        self.detector = detector
+        self._num_classes = num_classes
+
+    @property
+    def num_classes(self) -> int:
+        return self._num_classes
+
+    # The post-processing settings, named as the weakly-supervised detector names them (the evaluator's
+    # random baseline and tools/export_pseudo_labels.py read them).
+    @property
+    def nms_iou(self) -> float:
+        return self.detector.roi_heads.nms_thresh
+
+    @property
+    def score_threshold(self) -> float:
+        return self.detector.roi_heads.score_thresh
+
+    @property
+    def detections_per_image(self) -> int:
+        return self.detector.roi_heads.detections_per_img
+
+    @detections_per_image.setter
+    def detections_per_image(self, value: int) -> None:
+        self.detector.roi_heads.detections_per_img = value
+
+    @property
+    def dropblock(self) -> None:
+        """No Concrete DropBlock (``wsod.build`` asks every detector)."""
+        return None
+
+    def forward(
+        self,
+        images: Tensor,
+        proposals: Sequence[Tensor] | None = None,
+        image_labels: Tensor | None = None,
+        image_sizes: Sequence[tuple[int, int]] | None = None,
+        original_sizes: Sequence[tuple[int, int]] | None = None,
+        targets: Sequence[dict[str, Tensor]] | None = None,
+    ) -> dict[str, Tensor]:
+        """Training losses of a collated batch: images (B, 3, Hp, Wp) padded, ``image_sizes`` their
+        unpadded (h, w), ``original_sizes`` (H, W) on disk, ``targets`` with ``boxes`` (G, 4) in resized
+        pixels and ``box_labels`` (G,) in 0..C-1. ``proposals`` and ``image_labels`` are not used."""
+        if not self.training:
+            raise RuntimeError("FasterRCNNDetector.forward computes training losses; detect() predicts")
+        if targets is None or image_sizes is None or original_sizes is None:
+            raise ValueError("FasterRCNNDetector.forward needs image_sizes, original_sizes and targets")
+        missing = [i for i, t in enumerate(targets) if "boxes" not in t or "box_labels" not in t]
+        if missing:
+            raise ValueError(
+                f"images {missing} of the batch have no boxes/box_labels targets: the second stage trains"
+                " on the pseudo boxes of tools/export_pseudo_labels.py (pseudo_labels=...)"
+            )
+        torchvision_targets = [
+            {"boxes": _to_continuous(t["boxes"], size, original), "labels": t["box_labels"].long() + 1}
+            for t, size, original in zip(targets, image_sizes, original_sizes, strict=True)
+        ]
+        return self.detector(_unpadded(images, image_sizes), torchvision_targets)
+
+    @torch.no_grad()
+    def detect(
+        self,
+        images: Tensor,
+        image_sizes: Sequence[tuple[int, int]],
+        original_sizes: Sequence[tuple[int, int]],
+    ) -> list[dict[str, Tensor]]:
+        """One view's detections per image: ``boxes`` (D, 4) wsod boxes in original pixels, ``scores``
+        (D,), ``labels`` (D,) in 0..C-1, after torchvision's per-class NMS and score threshold."""
+        was_training = self.training
+        self.eval()
+        outputs = self.detector(_unpadded(images, image_sizes))
+        self.train(was_training)
+        return [
+            {
+                "boxes": _to_inclusive(out["boxes"], size, original),
+                "scores": out["scores"],
+                "labels": out["labels"] - 1,
+            }
+            for out, size, original in zip(outputs, image_sizes, original_sizes, strict=True)
+        ]
+
+    def postprocess(self, scores: Tensor, boxes: Tensor) -> dict[str, Tensor]:
+        """Per-ROI scores (R, C+1) and boxes (R, C+1, 4) -> detections, with this detector's threshold,
+        per-class NMS and cap (torchvision's rules; the evaluator's chance level calls it)."""
+        num_classes = scores.shape[1] - 1
+        fg_scores = scores[:, 1:].reshape(-1)
+        fg_boxes = boxes[:, 1:].reshape(-1, 4)
+        fg_labels = torch.arange(num_classes, device=scores.device).repeat(scores.shape[0])
+        return _nms(
+            fg_boxes, fg_scores, fg_labels, self.score_threshold, self.nms_iou, self.detections_per_image
+        )
+
+
+def merge_views(
+    views: Sequence[dict[str, Tensor]], *, nms_iou: float, detections_per_image: int, num_classes: int
+) -> dict[str, Tensor]:
+    """One image's detections of several test views (each in original pixels, flips undone) -> one set:
+    per-class NMS over their union, the best ``detections_per_image``; ``image_scores`` (C,) is each
+    class's best score (0 where it has none), the image-level score a label-only test set is scored by."""
+    boxes = torch.cat([v["boxes"] for v in views])
+    scores = torch.cat([v["scores"] for v in views])
+    labels = torch.cat([v["labels"] for v in views])
+    merged = _nms(boxes, scores, labels, None, nms_iou, detections_per_image) if len(views) > 1 else {
+        "boxes": boxes, "scores": scores, "labels": labels,
+    }  # fmt: skip
+    image_scores = torch.zeros(num_classes, dtype=scores.dtype, device=scores.device)
+    image_scores.scatter_reduce_(0, merged["labels"], merged["scores"], reduce="amax")
+    merged["image_scores"] = image_scores
+    return merged
+
+
+def _nms(
+    boxes: Tensor, scores: Tensor, labels: Tensor, threshold: float | None, iou: float, top: int
+) -> dict[str, Tensor]:
+    keep = scores > threshold if threshold is not None else torch.ones_like(scores, dtype=torch.bool)
+    boxes, scores, labels = boxes[keep], scores[keep], labels[keep]
+    keep = remove_small_boxes(boxes, MIN_BOX_SIZE)
+    boxes, scores, labels = boxes[keep], scores[keep], labels[keep]
+    kept = batched_nms(boxes.float(), scores.float(), labels, iou)[:top]
+    return {"boxes": boxes[kept], "scores": scores[kept], "labels": labels[kept]}
+
+
+def _unpadded(images: Tensor, image_sizes: Sequence[tuple[int, int]]) -> list[Tensor]:
+    return [image[:, :h, :w] for image, (h, w) in zip(images, image_sizes, strict=True)]
+
+
+def _to_continuous(boxes: Tensor, size: tuple[int, int], original: tuple[int, int]) -> Tensor:
+    """wsod boxes in resized pixels (inclusive ``x2, y2`` of the original grid, scaled) -> continuous
+    corners: one original pixel (``w / W`` resized pixels) past the last covered column and row."""
+    step = boxes.new_tensor([0.0, 0.0, size[1] / original[1], size[0] / original[0]])
+    return boxes.float().reshape(-1, 4) + step
+
+
+def _to_inclusive(boxes: Tensor, size: tuple[int, int], original: tuple[int, int]) -> Tensor:
+    """torchvision's continuous boxes in resized pixels -> wsod boxes in original pixels."""
+    scale = boxes.new_tensor([original[1] / size[1], original[0] / size[0]] * 2)
+    out = boxes * scale - boxes.new_tensor([0.0, 0.0, 1.0, 1.0])
+    # A box narrower than one pixel keeps x2 >= x1 (the devkit's width x2 - x1 + 1 stays positive).
+    out[:, 2:] = torch.maximum(out[:, 2:], out[:, :2])
+    return out
+
+
+def build_faster_rcnn(
+    num_classes: int,
+    *,
+    backbone: str = "resnet50",
+    width: float = 1.0,
+    weights: str | None = "IMAGENET1K_V1",
+    norm: str = "frozen_bn",
+    freeze_at: int = 2,
+    fpn_channels: int = 256,
+    anchor_sizes: Sequence[int] = (32, 64, 128, 256, 512),
+    aspect_ratios: Sequence[float] = (0.5, 1.0, 2.0),
+    rpn_pre_nms_top_n_train: int = 2000,
+    rpn_post_nms_top_n_train: int = 2000,
+    rpn_pre_nms_top_n_test: int = 1000,
+    rpn_post_nms_top_n_test: int = 1000,
+    rpn_batch_size_per_image: int = 256,
+    box_batch_size_per_image: int = 512,
+    representation_size: int = 1024,
+    nms_iou: float = 0.5,
+    score_threshold: float = 0.0,
+    detections_per_image: int = 100,
+) -> FasterRCNNDetector:
+    """Faster R-CNN with an FPN on a ResNet (``configs/detector/``), for ``num_classes`` foreground classes.
+
+    ``backbone`` resnet18/34/50/101; ``width``, ``weights`` and ``norm`` as ``build_resnet_trunk``'s
+    (ImageNet weights with frozen BatchNorm for real data; ``width=0.25, weights=None, norm=bn`` for the
+    toy on CPU); ``freeze_at`` as the weak detector's (2: stem and res2 frozen, torchvision's
+    ``trainable_backbone_layers=3``). ``anchor_sizes``: one size per FPN level (P2..P6). The rest are
+    torchvision's ``FasterRCNN`` arguments: ``representation_size`` is the box head's MLP width,
+    ``nms_iou`` / ``score_threshold`` / ``detections_per_image`` its ``box_nms_thresh`` /
+    ``box_score_thresh`` / ``box_detections_per_img``.
+    """
+    if backbone not in {"resnet18", "resnet34", "resnet50", "resnet101"}:
+        raise ValueError(
+            f"detector.backbone: unknown '{backbone}', expected resnet18, resnet34, resnet50 or resnet101"
+        )
+    if not 0 <= freeze_at <= 5:
+        raise ValueError(f"detector.freeze_at must be in 0..5, got {freeze_at}")
+    if len(anchor_sizes) != 5:
+        raise ValueError(
+            f"detector.anchor_sizes: one size per FPN level P2..P6 (5), got {list(anchor_sizes)}"
+        )
+    trunk = build_resnet_trunk(int(backbone.removeprefix("resnet")), width=width, weights=weights, norm=norm)
+    frozen = [["conv1", "bn1"], ["layer1"], ["layer2"], ["layer3"], ["layer4"]][:freeze_at]
+    for names in frozen:
+        for name in names:
+            getattr(trunk, name).requires_grad_(False)
+    stages = [trunk.layer1, trunk.layer2, trunk.layer3, trunk.layer4]
+    body = BackboneWithFPN(
+        trunk,
+        return_layers={"layer1": "0", "layer2": "1", "layer3": "2", "layer4": "3"},
+        in_channels_list=[stage_channels(s) for s in stages],
+        out_channels=fpn_channels,
+    )
+    anchors = AnchorGenerator(
+        sizes=tuple((int(s),) for s in anchor_sizes),
+        aspect_ratios=(tuple(aspect_ratios),) * len(anchor_sizes),
+    )
+    # torchvision's box head for an FPN (its MultiScaleRoIAlign at 7 x 7, two fully-connected layers),
+    # built here only for its width: FasterRCNN's default head is 1,024 wide, too heavy for the CPU toy.
+    resolution = 7
+    box_head = TwoMLPHead(fpn_channels * resolution**2, representation_size)
+    detector = FasterRCNN(
+        body,
+        rpn_anchor_generator=anchors,
+        box_head=box_head,
+        box_predictor=FastRCNNPredictor(representation_size, num_classes + 1),
+        rpn_pre_nms_top_n_train=rpn_pre_nms_top_n_train,
+        rpn_post_nms_top_n_train=rpn_post_nms_top_n_train,
+        rpn_pre_nms_top_n_test=rpn_pre_nms_top_n_test,
+        rpn_post_nms_top_n_test=rpn_post_nms_top_n_test,
+        rpn_batch_size_per_image=rpn_batch_size_per_image,
+        box_batch_size_per_image=box_batch_size_per_image,
+        box_nms_thresh=nms_iou,
+        box_score_thresh=score_threshold,
+        box_detections_per_img=detections_per_image,
+    )
+    # The images come resized and normalised by wsod's transforms (PreparedImageTransform).
+    detector.transform = PreparedImageTransform(
+        min_size=1, max_size=1, image_mean=[0.0] * 3, image_std=[1.0] * 3
+    )
+    return FasterRCNNDetector(detector, num_classes)

@@ -1,0 +1,318 @@
+"""The second stage, importable: what tools/export_pseudo_labels.py and tools/train_stage2.py do
+(docs/METHOD.md §12, README "Second stage").
+
+``export_from_config`` (configs/export.yaml): a trained checkpoint and a data config in; the training
+sets' images predicted at the data config's test views (``data.test.scales``, ``max_size``, ``flip``: the
+evaluation's test-time augmentation), every detection after the model's NMS kept
+(``detections_per_image: null``), then each image's pseudo boxes chosen by the rule
+(``wsod.engine.pseudo_boxes``, restricted to the image's labels, at least one box per label). Out, in
+``output_dir`` (default ``<the checkpoint's folder>/pseudo_labels``): ``pseudo_labels.json`` (a COCO
+instances json, ``wsod.data.pseudo_boxes``), ``summary.json`` (images, boxes per image, boxes per class,
+labels given the whole image, and, where the training set has ground-truth boxes, the pseudo boxes'
+precision and recall at IoU 0.5 per class), ``log.txt`` with the same table.
+
+``train_stage2_from_config`` (configs/stage2.yaml): torchvision's Faster R-CNN (``configs/detector/``)
+trained on those boxes by the weakly-supervised model's own loop (``wsod.engine.train``: the run
+directory with ``config.yaml``, ``log.txt``, ``metrics.jsonl`` and tensorboard, atomic checkpoints, exact
+resume, the non-finite guard, gradient accumulation, AMP, DDP under torchrun, sweeps with ``-m``), then
+evaluated by the same ``Evaluator`` on the data config's test set. Its checkpoints record
+``architecture: faster_rcnn``, so tools/eval.py, tools/predict.py and the export itself take them.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import sys
+from pathlib import Path
+from typing import Any
+
+import torch
+from hydra.core.hydra_config import HydraConfig
+from omegaconf import DictConfig, OmegaConf
+
+from wsod.build import (
+    build_evaluator,
+    build_export_datasets,
+    build_optimizer,
+    build_scheduler,
+    build_stage2_model,
+    build_stage2_train_dataset,
+    load_detector,
+    prepare_data,
+)
+from wsod.config_checks import EXPORT_RULES, STAGE2_RULES, ConfigError, check_config
+from wsod.data.dataset import ConcatWeakDataset
+from wsod.data.loader import build_train_loader, infinite_batches
+from wsod.data.pseudo_boxes import pseudo_boxes_json, write_pseudo_boxes
+from wsod.distributed import (
+    cleanup_distributed,
+    get_world_size,
+    is_main_process,
+    main_process_first,
+    setup_distributed,
+)
+from wsod.engine.checkpoint import Checkpointer, TrainState, latest_valid_checkpoint
+from wsod.engine.evaluate import write_evaluation
+from wsod.engine.inference import predict
+from wsod.engine.pseudo_boxes import PseudoBoxRule, pseudo_box_quality, select_pseudo_boxes
+from wsod.engine.run_log import RunLog
+from wsod.engine.train import train
+from wsod.evaluation.coco import format_percent
+from wsod.modeling.faster_rcnn import ARCHITECTURE
+from wsod.run import _final_evaluation, _log_resume_changes, _multirun, _refuse_another_run, _run_in_directory
+
+__all__ = ["export_from_config", "train_stage2_from_config", "PSEUDO_LABELS_FILE"]
+
+logger = logging.getLogger("wsod")
+
+PSEUDO_LABELS_FILE = "pseudo_labels.json"
+SUMMARY_FILE = "summary.json"
+
+# -- export ------------------------------------------------------------------------------------------
+
+
+def export_from_config(cfg: DictConfig) -> dict[str, Any]:
+    """Export the pseudo boxes of ``cfg.checkpoint`` on ``cfg.data``'s training sets (module docstring);
+    returns the summary. One process."""
+    check_config(cfg, EXPORT_RULES)
+    output_dir = cfg.output_dir or str(Path(cfg.checkpoint).parent / "pseudo_labels")
+    return _run_in_directory(cfg, output_dir, "runs/export", _export_in, claim=_refuse_overwrite)
+
+
+def _refuse_overwrite(out_dir: Path, cfg: DictConfig) -> str | None:
+    target = out_dir / PSEUDO_LABELS_FILE
+    if not target.exists():
+        return None
+    if not cfg.overwrite:
+        raise ConfigError(f"{target} exists: overwrite=true replaces it, another output_dir keeps it")
+    return f"overwrite=true: {target} is replaced"
+
+
+def _rule(cfg: DictConfig, classes: list[str]) -> PseudoBoxRule:
+    exempt = list(cfg.rule.containment_exempt or [])
+    unknown = [name for name in exempt if name not in classes]
+    if unknown:
+        raise ConfigError(f"rule.containment_exempt={exempt}: {unknown} are not among the classes {classes}")
+    return PseudoBoxRule(
+        min_score=cfg.rule.min_score,
+        containment=cfg.rule.containment,
+        containment_exempt=tuple(classes.index(name) for name in exempt),
+    )
+
+
+def _export_in(out_dir: Path, cfg: DictConfig, device: torch.device) -> dict[str, Any]:
+    logger.info("command: %s", " ".join(sys.argv))
+    model, metadata = load_detector(cfg.checkpoint, device)
+    classes = list(metadata["classes"])
+    prepare_data(cfg.data, progress=cfg.progress)
+    sets = build_export_datasets(cfg.data)
+    if list(sets[0].classes) != classes:
+        raise ValueError(
+            f"{cfg.checkpoint} was trained on classes {classes}, data.train holds {list(sets[0].classes)}:"
+            " export with the data config the checkpoint was trained on"
+        )
+    dataset = sets[0] if len(sets) == 1 else ConcatWeakDataset(sets)
+    records = [r for d in sets for r in d.records]
+    _check_distinct_ids(records)
+    rule = _rule(cfg, classes)
+    test = cfg.data.test
+    if cfg.detections_per_image is not None:
+        model.detections_per_image = cfg.detections_per_image
+    else:  # every detection after NMS: the rule, not a cap, decides what is kept
+        model.detections_per_image = sys.maxsize
+    logger.info(
+        "exporting pseudo boxes of %s on %d training images (%s), views %s%s, rule %s",
+        cfg.checkpoint, len(records), ", ".join(str(dict(s)) for s in cfg.data.train.sets), list(test.scales),
+        " + flips" if test.flip else "", rule,
+    )  # fmt: skip
+    with torch.no_grad():
+        detections = predict(
+            model, dataset, scales=list(test.scales), max_size=test.max_size, flip=test.flip,
+            batch_size=test.batch_size, num_workers=test.num_workers, device=device, amp=test.amp,
+            progress=cfg.progress,
+        )  # fmt: skip
+    chosen, whole_image = [], 0
+    for record, found in zip(records, detections, strict=True):
+        labels = torch.as_tensor(record.labels)
+        boxes, fallback = select_pseudo_boxes(found, labels, (record.height, record.width), rule)
+        chosen.append(boxes)
+        whole_image += len(fallback)
+    category_ids = list(getattr(sets[0], "category_ids", range(1, len(classes) + 1)))
+    info = {
+        "description": "wsod pseudo ground truth (tools/export_pseudo_labels.py)",
+        "checkpoint": str(cfg.checkpoint),
+        "rule": {
+            "min_score": rule.min_score,
+            "containment": rule.containment,
+            "containment_exempt": list(cfg.rule.containment_exempt or []),
+        },
+        "views": {"scales": list(test.scales), "max_size": test.max_size, "flip": bool(test.flip)},
+    }
+    content = pseudo_boxes_json(records, chosen, classes, category_ids, info)
+    write_pseudo_boxes(content, out_dir / PSEUDO_LABELS_FILE)
+    summary = _summary(records, chosen, classes, whole_image, sets)
+    (out_dir / SUMMARY_FILE).write_text(json.dumps(summary, indent=1) + "\n")
+    logger.info(
+        "%s\npseudo boxes written to %s", _format_summary(summary, classes), out_dir / PSEUDO_LABELS_FILE
+    )
+    return {**summary, "output": str(out_dir / PSEUDO_LABELS_FILE)}
+
+
+def _check_distinct_ids(records: list) -> None:
+    seen: dict[Any, str] = {}
+    for r in records:
+        if r.image_id in seen:
+            raise ValueError(
+                f"image id {r.image_id!r} names two training images ({seen[r.image_id]}, {r.path})"
+            )
+        seen[r.image_id] = r.path
+
+
+def _summary(
+    records: list, chosen: list[dict], classes: list[str], whole_image: int, sets: list
+) -> dict[str, Any]:
+    counts = torch.tensor([len(c["labels"]) for c in chosen])
+    per_class = torch.zeros(len(classes), dtype=torch.long)
+    for c in chosen:
+        per_class += torch.bincount(c["labels"], minlength=len(classes))
+    summary: dict[str, Any] = {
+        "images": len(records),
+        "boxes": int(counts.sum()),
+        "boxes_per_image": {"mean": counts.float().mean().item(), "max": int(counts.max())},
+        "boxes_per_class": dict(zip(classes, per_class.tolist(), strict=True)),
+        "labels_given_the_whole_image": whole_image,
+    }
+    if all(d.has_ground_truth for d in sets):
+        truth = [t for d in sets for t in d.ground_truth()]
+        quality = pseudo_box_quality(chosen, truth, len(classes))
+        summary["quality"] = {
+            "iou": 0.5,
+            "precision": quality["precision"],
+            "recall": quality["recall"],
+            "per_class": {
+                name: {
+                    "precision": quality["class_precision"][c].item(),
+                    "recall": quality["class_recall"][c].item(),
+                    "boxes": int(quality["pseudo_boxes"][c]),
+                    "objects": int(quality["objects"][c]),
+                }
+                for c, name in enumerate(classes)
+            },
+        }
+    return summary
+
+
+def _format_summary(summary: dict[str, Any], classes: list[str]) -> str:
+    """A per-class table of the export (boxes, and precision / recall where there is ground truth) and a
+    ``copypaste:`` line."""
+    quality = summary.get("quality")
+    width = max(len(n) for n in ("class", *classes))
+    header = f"{'class':<{width}}{'boxes':>10}" + (
+        f"{'objects':>10}{'precision':>12}{'recall':>10}" if quality else ""
+    )
+    lines = [header, "-" * len(header)]
+    for name in classes:
+        row = f"{name:<{width}}{summary['boxes_per_class'][name]:>10}"
+        if quality:
+            q = quality["per_class"][name]
+            precision, recall = (format_percent(q[k], missing="-") for k in ("precision", "recall"))
+            row += f"{q['objects']:>10}{precision:>12}{recall:>10}"
+        lines.append(row)
+    lines.append("-" * len(header))
+    line = (
+        f"copypaste: images={summary['images']}, boxes={summary['boxes']},"
+        f" boxes/image={summary['boxes_per_image']['mean']:.2f},"
+        f" whole-image labels={summary['labels_given_the_whole_image']}"
+    )
+    if quality:
+        precision, recall = format_percent(quality["precision"]), format_percent(quality["recall"])
+        line += f", precision@0.5={precision}, recall@0.5={recall}"
+    return "\n".join([*lines, line])
+
+
+# -- train the second stage --------------------------------------------------------------------------
+
+
+def train_stage2_from_config(cfg: DictConfig) -> dict[str, Any]:
+    """Train the second-stage detector as ``cfg`` (configs/stage2.yaml) says; returns the loop's summary
+    plus the final metrics (like ``wsod.run.train_from_config``)."""
+    check_config(cfg, STAGE2_RULES)
+    setup_distributed()
+    try:
+        if cfg.resume and cfg.output_dir is None and not _multirun():
+            raise ConfigError("resume=true needs the run to continue: output_dir=runs/<the run's directory>")
+        return _run_in_directory(
+            cfg, cfg.output_dir, "runs", _train_stage2_in, claim=_refuse_another_run, sweep=True
+        )
+    finally:
+        cleanup_distributed()
+
+
+def _train_stage2_in(run_dir: Path, cfg: DictConfig, device: torch.device) -> dict[str, Any]:
+    main = is_main_process()
+    resolved = OmegaConf.to_container(cfg, resolve=True)
+    resume_from = latest_valid_checkpoint(run_dir) if cfg.resume else None
+    if main:
+        logger.info("command: %s", " ".join(sys.argv))
+        if _multirun():
+            hydra = HydraConfig.get()
+            logger.info("sweep job #%s: %s", hydra.job.num, " ".join(hydra.overrides.task) or "(no override)")
+        logger.info(
+            "second stage: run directory %s, device %s, %d process(es)", run_dir, device, get_world_size()
+        )
+    resumed_at = None
+    config_file = run_dir / "config.yaml"
+    if resume_from is not None:
+        path, checkpoint = resume_from
+        resumed_at = TrainState.from_dict(checkpoint["trainer"]).iteration
+        _log_resume_changes(checkpoint["metadata"].get("config"), resolved, path)
+        config_file = run_dir / f"config_resume_{resumed_at:07d}.yaml"
+    elif cfg.resume:
+        logger.info("resume requested but no checkpoint in %s: starting from scratch", run_dir)
+    if main:
+        config_file.write_text(OmegaConf.to_yaml(cfg, resolve=True))
+    torch.manual_seed(cfg.seed)
+
+    prepare_data(cfg.data, progress=cfg.progress and main)
+    train_set = build_stage2_train_dataset(cfg.data, cfg.pseudo_labels)
+    evaluator = build_evaluator(cfg.data, device, cfg.progress, random_baseline=cfg.random_baseline)
+    with main_process_first():  # ImageNet weights: fetched into torch hub's cache once, then read
+        model = build_stage2_model(cfg.detector, train_set.num_classes).to(device)
+    optimizer = build_optimizer(cfg.solver, model)
+    scheduler = build_scheduler(cfg.solver, optimizer)
+    wrapped = model
+    if get_world_size() > 1:
+        wrapped = torch.nn.parallel.DistributedDataParallel(
+            model, device_ids=[device] if device.type == "cuda" else None
+        )
+    loader = build_train_loader(
+        train_set, cfg.solver.ims_per_batch, num_workers=cfg.data.train.num_workers, seed=cfg.seed,
+        pin_memory=device.type == "cuda",
+    )  # fmt: skip
+    metadata = {
+        "architecture": ARCHITECTURE,
+        "model": resolved["detector"],
+        "classes": list(train_set.classes),
+        "pseudo_labels": str(cfg.pseudo_labels),
+        "config": resolved,
+    }
+    checkpointer = Checkpointer(
+        run_dir, period=cfg.checkpoint_period, keep=cfg.keep_checkpoints, metadata=metadata, enabled=main
+    )
+    with RunLog(run_dir, enabled=main, purge_after=resumed_at) as run_log:
+        summary = train(
+            wrapped, optimizer, scheduler, lambda start: infinite_batches(loader, start),
+            max_iter=cfg.solver.max_iter, device=device, checkpointer=checkpointer, run_log=run_log,
+            accumulation=cfg.solver.accumulation, amp=cfg.solver.amp, resume_from=resume_from,
+            log_period=cfg.log_period, evaluator=evaluator, eval_period=cfg.eval_period,
+            max_nonfinite=cfg.max_nonfinite, progress=cfg.progress,
+        )  # fmt: skip
+        final = _final_evaluation(model, evaluator, run_dir, cfg.random_baseline)
+        write_evaluation(final, evaluator.dataset, run_dir / "eval")
+        run_log.evaluation(summary["iteration"], final)
+    metric = evaluator.primary_metric
+    checkpointer.offer_best(metric, final.metrics.get(metric), summary["iteration"])
+    summary["best"] = checkpointer.best
+    summary["final"] = {**final.metrics, **final.extra}
+    return summary
