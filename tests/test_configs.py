@@ -237,8 +237,31 @@ def _recipe_keys(cfg) -> set[str]:
     }
 
 
+def _stage2_recipe_keys(cfg) -> set[str]:
+    """A second-stage recipe's keys: the data settings as a first stage's, the detector and the solver."""
+    parts = {"data": cfg.data, "solver": cfg.solver, "seed": cfg.seed, "model": {}, "method": {}}
+    keys = _recipe_keys(OmegaConf.create(parts))
+    return keys | {f"detector.{k}" for k in cfg.detector}
+
+
 def test_every_experiment_has_one_recipe_table():
-    assert sorted(_recipe_tables()) == _names("experiment")
+    assert sorted(_recipe_tables()) == sorted(_names("experiment") + _names("stage2_experiment"))
+
+
+@pytest.mark.parametrize("name", _names("stage2_experiment"))
+def test_composed_second_stage_experiment_matches_its_recipe_table(name):
+    cfg = _compose("stage2", [f"stage2_experiment={name}"])
+    table = _recipe_tables()[name]
+    assert set(table) == _stage2_recipe_keys(cfg), "the table must list exactly the recipe keys"
+    for key, text in table.items():
+        expected, actual = _recipe_value(text), OmegaConf.select(cfg, key)
+        actual = OmegaConf.to_container(actual) if OmegaConf.is_config(actual) else actual
+        if isinstance(expected, float) and not isinstance(expected, bool):
+            assert actual == pytest.approx(expected, rel=1e-12), key
+        else:
+            assert actual == expected and type(actual) is type(expected), key
+    processes = 1 if name.endswith("_1gpu") else 8
+    assert processes * cfg.solver.ims_per_batch * cfg.solver.accumulation == 16  # SoS-WSOD's 16 per step
 
 
 @pytest.mark.parametrize("name", _names("experiment"))

@@ -1,5 +1,5 @@
 """The second stage, importable: what tools/export_pseudo_labels.py and tools/train_stage2.py do
-(docs/METHOD.md §12, README "Second stage").
+(docs/METHOD.md §11, README "Second stage").
 
 ``export_from_config`` (configs/export.yaml): a trained checkpoint and a data config in; the training
 sets' images predicted at the data config's test views (``data.test.scales``, ``max_size``, ``flip``: the

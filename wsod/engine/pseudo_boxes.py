@@ -1,5 +1,5 @@
 """Which of a trained model's detections on a training image become its pseudo ground truth, and how good
-those boxes are (tools/export_pseudo_labels.py; docs/METHOD.md §12).
+those boxes are (tools/export_pseudo_labels.py; docs/METHOD.md §11).
 
 The rule (``select_pseudo_boxes``) is SoS-WSOD's pseudo ground-truth filter (``tools/pgf.py`` of
 suilin0432/SoS-WSOD, CVPR 2022, read for its facts), applied to one image's detections after the model's

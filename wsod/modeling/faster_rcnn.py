@@ -1,7 +1,7 @@
 """The second stage: torchvision's Faster R-CNN (FPN) behind wsod's detector interface.
 
 A fully-supervised detector retrained on the pseudo boxes a weakly-supervised model exported
-(``tools/export_pseudo_labels.py``, docs/METHOD.md §12). Anchors, the RPN, the box head, the losses and
+(``tools/export_pseudo_labels.py``, docs/METHOD.md §11). Anchors, the RPN, the box head, the losses and
 the post-processing are torchvision's (``torchvision.models.detection.FasterRCNN``); what this file adds
 is the seam to the rest of wsod:
 
