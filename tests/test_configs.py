@@ -251,15 +251,7 @@ def test_every_experiment_has_one_recipe_table():
 @pytest.mark.parametrize("name", _names("stage2_experiment"))
 def test_composed_second_stage_experiment_matches_its_recipe_table(name):
     cfg = _compose("stage2", [f"stage2_experiment={name}"])
-    table = _recipe_tables()[name]
-    assert set(table) == _stage2_recipe_keys(cfg), "the table must list exactly the recipe keys"
-    for key, text in table.items():
-        expected, actual = _recipe_value(text), OmegaConf.select(cfg, key)
-        actual = OmegaConf.to_container(actual) if OmegaConf.is_config(actual) else actual
-        if isinstance(expected, float) and not isinstance(expected, bool):
-            assert actual == pytest.approx(expected, rel=1e-12), key
-        else:
-            assert actual == expected and type(actual) is type(expected), key
+    _assert_matches(cfg, _recipe_tables()[name], _stage2_recipe_keys(cfg))
     processes = 1 if name.endswith("_1gpu") else 8
     assert processes * cfg.solver.ims_per_batch * cfg.solver.accumulation == 16  # SoS-WSOD's 16 per step
 
@@ -267,8 +259,12 @@ def test_composed_second_stage_experiment_matches_its_recipe_table(name):
 @pytest.mark.parametrize("name", _names("experiment"))
 def test_composed_experiment_matches_its_recipe_table(name):
     cfg = _compose("train", [f"experiment={name}"])
-    table = _recipe_tables()[name]
-    assert set(table) == _recipe_keys(cfg), "the table must list exactly the recipe keys"
+    _assert_matches(cfg, _recipe_tables()[name], _recipe_keys(cfg))
+
+
+def _assert_matches(cfg, table: dict[str, str], keys: set[str]) -> None:
+    """The recipe table lists exactly ``keys``, each with the composed config's value."""
+    assert set(table) == keys, "the table must list exactly the recipe keys"
     for key, text in table.items():
         expected, actual = _recipe_value(text), OmegaConf.select(cfg, key)
         actual = OmegaConf.to_container(actual) if OmegaConf.is_config(actual) else actual

@@ -4,6 +4,7 @@ tools/) and ``wsod.config_checks`` checks it. See configs/ for the fields and th
 
 from __future__ import annotations
 
+import logging
 import pkgutil
 from pathlib import Path
 from typing import Any
@@ -55,6 +56,8 @@ __all__ = [
     "build_balancer",
     "build_scheduler",
 ]
+
+logger = logging.getLogger(__name__)
 
 # The per-image labeller of each built-in method (``METHODS`` in wsod/modeling/detector.py holds the methods).
 LABELERS: dict[str, type] = {"mist": MISTLabeler, "oicr": OICRLabeler}
@@ -232,15 +235,17 @@ def _open(
     raise ValueError(f"data.kind must be toy, voc, coco or folder, got '{data_cfg.kind}'")
 
 
+def _train_transform(train: DictConfig):
+    """The random training transform of a ``data.train`` node (scales, flip, lighting)."""
+    flip = 0.5 if train.flip else 0.0
+    scales, lighting = list(train.scales), train.lighting_std
+    return train_transform(scales, train.max_size, flip_prob=flip, lighting_std=lighting)
+
+
 def build_train_dataset(data_cfg: DictConfig) -> Dataset:
     """The training images of ``data.train`` (several sets are concatenated) with random transforms."""
     train = data_cfg.train
-    transform = train_transform(
-        list(train.scales),
-        train.max_size,
-        flip_prob=0.5 if train.flip else 0.0,
-        lighting_std=train.lighting_std,
-    )
+    transform = _train_transform(train)
     sampling = train.get("roi_sampling")
     if sampling is not None:  # images with points or scribbles train on a sample of their ROIs
         sampler = PartialLabelRoiSampler(sampling.rois_per_image, sampling.positive_fraction)
@@ -274,18 +279,19 @@ def build_stage2_train_dataset(data_cfg: DictConfig, pseudo_labels: str | Path) 
     tools/export_pseudo_labels.py) as their supervision, under the training transform (scales, flip,
     lighting); images the json does not hold are left out (``wsod.data.pseudo_boxes``)."""
     train = data_cfg.train
-    transform = train_transform(
-        list(train.scales),
-        train.max_size,
-        flip_prob=0.5 if train.flip else 0.0,
-        lighting_std=train.lighting_std,
-    )
+    transform = _train_transform(train)
     sets = [
         _open(data_cfg, source, transform=transform, max_proposals=train.max_proposals, drop_unlabelled=True)
         for source in train.sets
     ]
     whole = ConcatWeakDataset(sets) if len(sets) > 1 else None
     records = [r for d in sets for r in d.records]
+    partial = sum(1 for r in records if r.supervision)
+    if partial:  # a train set's partial_labels side file: the first stage's supervision, not the second's
+        logger.warning(
+            "%d training images carry partial labels (data.train.sets.*.partial_labels): the second stage"
+            " trains on the pseudo boxes of %s alone", partial, pseudo_labels,
+        )  # fmt: skip
     labelled = attach_pseudo_boxes(records, sets[0].classes, pseudo_labels)
     by_path = {r.path: r for r in labelled}
     for dataset in sets:

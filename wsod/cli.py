@@ -17,7 +17,15 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-__all__ = ["setup_logging", "run_tool", "full_tracebacks", "write_failure", "error_message"]
+__all__ = [
+    "setup_logging",
+    "run_tool",
+    "full_tracebacks",
+    "write_failure",
+    "error_message",
+    "SweepJobs",
+    "close_run_log",
+]
 
 logger = logging.getLogger("wsod")
 
@@ -102,3 +110,43 @@ def run_tool(entry: Callable[[Any], Any], cfg: Any) -> None:
             if full_tracebacks():
                 traceback.print_exception(error)
         sys.exit(1)
+
+
+class SweepJobs:
+    """The jobs of a Hydra multirun (``-m``) of a training tool, one after the other: a job that fails
+    prints its one line (``run_tool``) and the sweep goes on with the next, since they do not depend on
+    each other; ``finish()`` then exits with status 1 naming the failed jobs."""
+
+    def __init__(self) -> None:
+        self.jobs: list[str] = []  # "#<number> <run directory>"
+        self.failed: list[str] = []
+
+    def run(self, entry: Callable[[Any], Any], cfg: Any, job: str) -> None:
+        """``run_tool(entry, cfg)`` as the sweep job ``job``, its ``log.txt`` closed afterwards."""
+        self.jobs.append(job)
+        try:
+            run_tool(entry, cfg)
+        except SystemExit as stop:
+            # run_tool has printed the error and logged its traceback; exiting here would drop the
+            # sweep's remaining jobs.
+            if stop.code not in (None, 0):
+                self.failed.append(job)
+        finally:
+            close_run_log()
+
+    def finish(self) -> None:
+        if self.failed:
+            count = f"{len(self.failed)} of {len(self.jobs)} sweep jobs failed"
+            print(f"error: {count} (their errors above): {', '.join(self.failed)}", file=sys.stderr)
+            sys.exit(1)
+
+
+def close_run_log() -> None:
+    """Detach and close a finished job's ``log.txt`` handler (``setup_logging`` marks its handlers
+    ``_wsod``): the next job's messages before its own run directory is chosen (a refused config, say)
+    would land in this job's log otherwise."""
+    root = logging.getLogger()
+    for handler in root.handlers[:]:
+        if getattr(handler, "_wsod", False) and isinstance(handler, logging.FileHandler):
+            root.removeHandler(handler)
+            handler.close()

@@ -111,6 +111,8 @@ __all__ = [
     "choose_output_dir",
     "sweep_job_dir",
     "DiscardMultirunYaml",
+    "begin_training_run",
+    "train_and_evaluate",
 ]
 
 logger = logging.getLogger("wsod")
@@ -237,6 +239,39 @@ def _refuse_another_run(run_dir: Path, cfg: DictConfig) -> None:
 
 
 def _train_in(run_dir: Path, cfg: DictConfig, device: torch.device) -> dict[str, Any]:
+    resolved, resume_from, resumed_at = begin_training_run(run_dir, cfg, device)
+    main = is_main_process()
+    prepare_data(cfg.data, progress=cfg.progress and main)
+    train_set = build_train_dataset(cfg.data)
+    evaluator = build_evaluator(cfg.data, device, cfg.progress, random_baseline=cfg.random_baseline)
+    with main_process_first():  # ImageNet weights: fetched into torch hub's cache once, then read
+        model = build_model(cfg.model, train_set.num_classes, cfg.method).to(device)
+    optimizer = build_optimizer(cfg.solver, model)
+    scheduler = build_scheduler(cfg.solver, optimizer)
+    # In this order: the adversary's update runs before GradNorm's in each step.
+    extras = (build_adversary(cfg.solver, model, device), build_balancer(cfg.solver, model, device))
+    metadata = {
+        "model": resolved["model"],
+        "method": resolved["method"],
+        "classes": list(train_set.classes),
+        "config": resolved,  # what a resume compares its own config with
+    }
+    return train_and_evaluate(
+        run_dir, cfg, device, model=model, optimizer=optimizer, scheduler=scheduler, train_set=train_set,
+        evaluator=evaluator, metadata=metadata, resume_from=resume_from, resumed_at=resumed_at,
+        companions=[companion for companion in extras if companion is not None],
+        preview=_pseudo_label_preview(cfg, train_set, device) if main else None,  # main process only
+    )  # fmt: skip
+
+
+def begin_training_run(
+    run_dir: Path, cfg: DictConfig, device: torch.device
+) -> tuple[dict[str, Any], tuple[Path, dict[str, Any]] | None, int | None]:
+    """What every training entry point does first (tools/train.py, tools/train_stage2.py): log the
+    command (and a sweep job's overrides), find the checkpoint to resume from, check the settings a
+    resume changes, write ``config.yaml`` (or ``config_resume_<iteration>.yaml``, the original staying),
+    a folder dataset's ``split.csv``, and seed torch. Returns ``(resolved config, resume_from,
+    resumed_at)``."""
     main = is_main_process()
     resolved = OmegaConf.to_container(cfg, resolve=True)
     resume_from = latest_valid_checkpoint(run_dir) if cfg.resume else None
@@ -264,17 +299,30 @@ def _train_in(run_dir: Path, cfg: DictConfig, device: torch.device) -> dict[str,
                 test_fraction=cfg.data.get("test_fraction", TEST_FRACTION),
             )  # fmt: skip
     torch.manual_seed(cfg.seed)  # identical initial weights on every rank
+    return resolved, resume_from, resumed_at
 
-    prepare_data(cfg.data, progress=cfg.progress and main)
-    train_set = build_train_dataset(cfg.data)
-    evaluator = build_evaluator(cfg.data, device, cfg.progress, random_baseline=cfg.random_baseline)
-    with main_process_first():  # ImageNet weights: fetched into torch hub's cache once, then read
-        model = build_model(cfg.model, train_set.num_classes, cfg.method).to(device)
-    optimizer = build_optimizer(cfg.solver, model)
-    scheduler = build_scheduler(cfg.solver, optimizer)
-    # In this order: the adversary's update runs before GradNorm's in each step.
-    extras = (build_adversary(cfg.solver, model, device), build_balancer(cfg.solver, model, device))
-    companions = [companion for companion in extras if companion is not None]
+
+def train_and_evaluate(
+    run_dir: Path,
+    cfg: DictConfig,
+    device: torch.device,
+    *,
+    model: torch.nn.Module,
+    optimizer: torch.optim.Optimizer,
+    scheduler: Any,
+    train_set: Any,
+    evaluator: Evaluator,
+    metadata: dict[str, Any],
+    resume_from: tuple[Path, dict[str, Any]] | None,
+    resumed_at: int | None,
+    companions: Sequence[Any] = (),
+    preview: PseudoLabelPreview | None = None,
+) -> dict[str, Any]:
+    """The rest of a training entry point, once its model and data exist: DDP under torchrun, the
+    loader, the checkpointer (``metadata`` in every file), the loop (``wsod.engine.train``), the final
+    evaluation written to ``eval/`` and offered as the best. Returns the loop's summary with ``best``
+    and ``final`` (the final metrics)."""
+    main = is_main_process()
     wrapped = model
     if get_world_size() > 1:
         wrapped = torch.nn.parallel.DistributedDataParallel(
@@ -284,13 +332,6 @@ def _train_in(run_dir: Path, cfg: DictConfig, device: torch.device) -> dict[str,
         train_set, cfg.solver.ims_per_batch, num_workers=cfg.data.train.num_workers, seed=cfg.seed,
         pin_memory=device.type == "cuda",
     )  # fmt: skip
-    preview = _pseudo_label_preview(cfg, train_set, device) if main else None  # main process only
-    metadata = {
-        "model": resolved["model"],
-        "method": resolved["method"],
-        "classes": list(train_set.classes),
-        "config": resolved,  # what a resume compares its own config with
-    }
     checkpointer = Checkpointer(
         run_dir, period=cfg.checkpoint_period, keep=cfg.keep_checkpoints, metadata=metadata, enabled=main
     )

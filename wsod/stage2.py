@@ -28,8 +28,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from hydra.core.hydra_config import HydraConfig
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import DictConfig
 
 from wsod.build import (
     build_evaluator,
@@ -43,24 +42,18 @@ from wsod.build import (
 )
 from wsod.config_checks import EXPORT_RULES, STAGE2_RULES, ConfigError, check_config
 from wsod.data.dataset import ConcatWeakDataset
-from wsod.data.loader import build_train_loader, infinite_batches
 from wsod.data.pseudo_boxes import pseudo_boxes_json, write_pseudo_boxes
 from wsod.distributed import (
     cleanup_distributed,
-    get_world_size,
     is_main_process,
     main_process_first,
     setup_distributed,
 )
-from wsod.engine.checkpoint import Checkpointer, TrainState, latest_valid_checkpoint
-from wsod.engine.evaluate import write_evaluation
 from wsod.engine.inference import predict
 from wsod.engine.pseudo_boxes import PseudoBoxRule, pseudo_box_quality, select_pseudo_boxes
-from wsod.engine.run_log import RunLog
-from wsod.engine.train import train
 from wsod.evaluation.coco import format_percent
 from wsod.modeling.faster_rcnn import ARCHITECTURE
-from wsod.run import _final_evaluation, _log_resume_changes, _multirun, _refuse_another_run, _run_in_directory
+from wsod.run import _multirun, _refuse_another_run, _run_in_directory, begin_training_run, train_and_evaluate
 
 __all__ = ["export_from_config", "train_stage2_from_config", "PSEUDO_LABELS_FILE"]
 
@@ -250,69 +243,22 @@ def train_stage2_from_config(cfg: DictConfig) -> dict[str, Any]:
 
 
 def _train_stage2_in(run_dir: Path, cfg: DictConfig, device: torch.device) -> dict[str, Any]:
-    main = is_main_process()
-    resolved = OmegaConf.to_container(cfg, resolve=True)
-    resume_from = latest_valid_checkpoint(run_dir) if cfg.resume else None
-    if main:
-        logger.info("command: %s", " ".join(sys.argv))
-        if _multirun():
-            hydra = HydraConfig.get()
-            logger.info("sweep job #%s: %s", hydra.job.num, " ".join(hydra.overrides.task) or "(no override)")
-        logger.info(
-            "second stage: run directory %s, device %s, %d process(es)", run_dir, device, get_world_size()
-        )
-    resumed_at = None
-    config_file = run_dir / "config.yaml"
-    if resume_from is not None:
-        path, checkpoint = resume_from
-        resumed_at = TrainState.from_dict(checkpoint["trainer"]).iteration
-        _log_resume_changes(checkpoint["metadata"].get("config"), resolved, path)
-        config_file = run_dir / f"config_resume_{resumed_at:07d}.yaml"
-    elif cfg.resume:
-        logger.info("resume requested but no checkpoint in %s: starting from scratch", run_dir)
-    if main:
-        config_file.write_text(OmegaConf.to_yaml(cfg, resolve=True))
-    torch.manual_seed(cfg.seed)
-
-    prepare_data(cfg.data, progress=cfg.progress and main)
+    resolved, resume_from, resumed_at = begin_training_run(run_dir, cfg, device)
+    prepare_data(cfg.data, progress=cfg.progress and is_main_process())
     train_set = build_stage2_train_dataset(cfg.data, cfg.pseudo_labels)
     evaluator = build_evaluator(cfg.data, device, cfg.progress, random_baseline=cfg.random_baseline)
     with main_process_first():  # ImageNet weights: fetched into torch hub's cache once, then read
         model = build_stage2_model(cfg.detector, train_set.num_classes).to(device)
     optimizer = build_optimizer(cfg.solver, model)
     scheduler = build_scheduler(cfg.solver, optimizer)
-    wrapped = model
-    if get_world_size() > 1:
-        wrapped = torch.nn.parallel.DistributedDataParallel(
-            model, device_ids=[device] if device.type == "cuda" else None
-        )
-    loader = build_train_loader(
-        train_set, cfg.solver.ims_per_batch, num_workers=cfg.data.train.num_workers, seed=cfg.seed,
-        pin_memory=device.type == "cuda",
-    )  # fmt: skip
     metadata = {
-        "architecture": ARCHITECTURE,
+        "architecture": ARCHITECTURE,  # load_detector rebuilds a FasterRCNNDetector from these
         "model": resolved["detector"],
         "classes": list(train_set.classes),
         "pseudo_labels": str(cfg.pseudo_labels),
         "config": resolved,
     }
-    checkpointer = Checkpointer(
-        run_dir, period=cfg.checkpoint_period, keep=cfg.keep_checkpoints, metadata=metadata, enabled=main
-    )
-    with RunLog(run_dir, enabled=main, purge_after=resumed_at) as run_log:
-        summary = train(
-            wrapped, optimizer, scheduler, lambda start: infinite_batches(loader, start),
-            max_iter=cfg.solver.max_iter, device=device, checkpointer=checkpointer, run_log=run_log,
-            accumulation=cfg.solver.accumulation, amp=cfg.solver.amp, resume_from=resume_from,
-            log_period=cfg.log_period, evaluator=evaluator, eval_period=cfg.eval_period,
-            max_nonfinite=cfg.max_nonfinite, progress=cfg.progress,
-        )  # fmt: skip
-        final = _final_evaluation(model, evaluator, run_dir, cfg.random_baseline)
-        write_evaluation(final, evaluator.dataset, run_dir / "eval")
-        run_log.evaluation(summary["iteration"], final)
-    metric = evaluator.primary_metric
-    checkpointer.offer_best(metric, final.metrics.get(metric), summary["iteration"])
-    summary["best"] = checkpointer.best
-    summary["final"] = {**final.metrics, **final.extra}
-    return summary
+    return train_and_evaluate(
+        run_dir, cfg, device, model=model, optimizer=optimizer, scheduler=scheduler, train_set=train_set,
+        evaluator=evaluator, metadata=metadata, resume_from=resume_from, resumed_at=resumed_at,
+    )  # fmt: skip
