@@ -206,6 +206,23 @@ def test_runs_are_grouped_by_every_setting_that_differs_except_seed_and_output_d
     assert [(g.label, g.seeds) for g in alike.groups] == [("all runs", [1, 1, 1, 1])]
 
 
+def test_by_folder_keeps_the_runs_of_each_folder_apart(tmp_path):
+    # Second-stage runs: each seed on its own pseudo boxes, two export rules whose configs name no rule.
+    for folder, maps in (("stage2", (0.5, 0.7)), ("stage2_top1", (0.4, 0.6))):
+        for seed, value in enumerate(maps, start=1):
+            fake_run(tmp_path / folder / f"seed={seed}", f"solver.lr={0.001 * seed}", seed=seed,
+                     final=evaluation(value, value, value, value))  # fmt: skip
+    single = fake_run(tmp_path / "stage1" / "seed=1", final=evaluation(0.3, 0.3, 0.3, 0.3))
+    folders = [tmp_path / "stage2", tmp_path / "stage2_top1", single]
+    summary = summarize_runs(folders, ignore=["solver.lr"], by_folder=True)
+    assert [(g.label, g.seeds, g.metric("mAP").mean) for g in summary.groups] == [
+        (f"folder={(tmp_path / 'stage1').as_posix()}", [1], pytest.approx(0.3)),  # a run given: its parent
+        (f"folder={(tmp_path / 'stage2').as_posix()}", [1, 2], pytest.approx(0.6)),
+        (f"folder={(tmp_path / 'stage2_top1').as_posix()}", [1, 2], pytest.approx(0.5)),
+    ]
+    assert [g.label for g in summarize_runs(folders, ignore=["solver.lr"]).groups] == ["all runs"]
+
+
 def test_a_train_set_setting_groups_by_its_command_line_name(tmp_path):
     root = tmp_path / "sweep"
     for partial in ("null", "data/toy/partial/points.json"):

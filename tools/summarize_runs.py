@@ -13,7 +13,9 @@ runs without a final evaluation (still training, stopped, failed) are listed as 
 It writes ``summary.md`` (the same tables) and ``summary.png`` (per group the mean of mAP and CorLoc
 with a bar from the min to the max, and each run as a dot) into ``--out`` (default: the first directory).
 ``--ignore KEY`` (repeatable) leaves another setting's differences out of the grouping (``--ignore
-progress``). How runs are read and grouped: ``wsod/engine/run_summary.py``.
+progress``); ``--by-folder`` groups the runs of each given folder apart (second-stage runs, each seed on
+its own pseudo boxes: ``python tools/summarize_runs.py runs/stage2 runs/stage2_top1 --ignore pseudo_labels
+--by-folder``). How runs are read and grouped: ``wsod/engine/run_summary.py``.
 """
 
 from __future__ import annotations
@@ -39,12 +41,16 @@ def _parser() -> argparse.ArgumentParser:
         "--ignore", action="append", default=[], metavar="KEY",
         help="a config key (or sub-tree, e.g. data.test) whose differences make no other group; repeatable",
     )  # fmt: skip
+    parser.add_argument(
+        "--by-folder", action="store_true",
+        help="group the runs of each given folder apart (a run directory given itself: its parent folder)",
+    )  # fmt: skip
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
-    summary = summarize_runs(args.directories, ignore=args.ignore)
+    summary = summarize_runs(args.directories, ignore=args.ignore, by_folder=args.by_folder)
     print(format_markdown(summary), end="")
     markdown, plot = write_summary(summary, args.out or args.directories[0])  # refuses when nothing finished
     print(f"\nwritten: {markdown} and {plot}")

@@ -19,7 +19,8 @@ one without a final evaluation (still training, stopped, crashed: its ``error.tx
 error naming it.
 
 **Groups**: runs whose settings are equal, apart from ``seed``, ``output_dir``, ``resume`` and the
-``ignore``d keys.
+``ignore``d keys; with ``by_folder``, also found under the same given folder (``folder`` is then a
+setting of each run).
 A group's label names the fewest of the differing keys that still tell the groups apart: for a method
 sweep ``method.name=mist``, not every ``method.*`` key that comes with the method. Keys present in every
 run are preferred, then the config's order.
@@ -39,7 +40,7 @@ import math
 import os
 import re
 from collections.abc import Iterable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -362,16 +363,33 @@ def _value(run: RunResult, key: str) -> Any:
     return run.config.get(key, ABSENT)
 
 
-def summarize_runs(directories: Sequence[str | os.PathLike], ignore: Sequence[str] = ()) -> Summary:
+# The setting ``by_folder`` adds to each run: the folder it was found under.
+FOLDER_KEY = "folder"
+
+
+def summarize_runs(
+    directories: Sequence[str | os.PathLike], ignore: Sequence[str] = (), by_folder: bool = False
+) -> Summary:
     """Read, group and skip the runs under ``directories`` (``find_runs``, ``read_run``, ``group_runs``).
-    A run found under two of the directories counts once."""
+    A run found under two of the directories counts once. ``by_folder``: each run also carries the
+    setting ``folder``, the directory given that it was found under (for a run directory given itself,
+    its parent), so that runs of different folders never share a group: rows of runs whose configs
+    differ in a setting no key names (a second stage's pseudo boxes exported by another rule)."""
     if not directories:
         raise SummaryError("no directory given: name a run directory or a folder of them")
-    paths: dict[Path, Path] = {}
+    paths: dict[Path, tuple[Path, str]] = {}
     for directory in directories:
         for path in find_runs(directory):
-            paths.setdefault(path.resolve(), path)
-    results = [read_run(path) for path in paths.values()]
+            folder = (
+                Path(directory).parent if Path(directory).resolve() == path.resolve() else Path(directory)
+            )
+            paths.setdefault(path.resolve(), (path, folder.as_posix()))
+    results = []
+    for path, folder in paths.values():
+        result = read_run(path)
+        if by_folder and isinstance(result, RunResult):  # first, so that it labels the group
+            result = replace(result, config={FOLDER_KEY: folder, **result.config})
+        results.append(result)
     finished = [r for r in results if isinstance(r, RunResult)]
     skipped = tuple(r for r in results if isinstance(r, SkippedRun))
     groups, keys = group_runs(finished, ignore) if finished else ([], [])
