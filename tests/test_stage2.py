@@ -148,6 +148,12 @@ def test_an_export_does_not_overwrite_an_earlier_one_unless_asked(pipeline, tiny
     one_box = export_from_config(_compose("export", [*overrides, f"output_dir={other}", *rule]))
     toy = ensure_toy_dataset(tiny_toy_root, **TINY_TOY).dataset("trainval")
     assert one_box["boxes"] == int(sum(r.labels.sum() for r in toy.records))
+    # A second-stage checkpoint exports too, here at two views (each image and its flip, merged by NMS).
+    stage2 = workdir / "runs" / "toy_stage2" / "model_final.pth"
+    views = [f"checkpoint={stage2}", f"output_dir={workdir / 'from_stage2'}", "data.test.flip=true"]
+    again = export_from_config(_compose("export", [*overrides[1:], *views]))
+    assert again["images"] == TINY_TOY["num_train"] and again["boxes"] >= one_box["boxes"]
+    assert "views [160] + flips" in (workdir / "from_stage2" / "log.txt").read_text()
     with pytest.raises(ConfigError, match=r"rule.containment_exempt=\['lion'\]"):
         export_from_config(
             _compose("export", [*overrides, "overwrite=true", "rule.containment_exempt=[lion]"])

@@ -14,7 +14,6 @@ from pathlib import Path
 import hydra
 from omegaconf import DictConfig
 
-import wsod.run  # noqa: F401  (registers the config resolvers)
 from wsod.cli import run_tool
 from wsod.stage2 import export_from_config
 
