@@ -6,11 +6,11 @@ the post-processing are torchvision's (``torchvision.models.detection.FasterRCNN
 is the seam to the rest of wsod:
 
 - the batch of ``wsod.data.loader.collate`` goes in as is (``model(**model_inputs(batch))``, the
-  training loop's call): the training images of each item's ``targets`` ``boxes`` / ``box_labels``
-  (``wsod.data.pseudo_boxes``), resized and flipped by wsod's own transforms. torchvision's transform
-  therefore neither resizes nor normalises again (``PreparedImageTransform``): the data config's scales
-  are the only ones, as for the weakly-supervised model, and the same seeded augmentation stream makes
-  a resumed run exact. Proposals in the batch are ignored: the RPN makes its own.
+  training loop's call); the targets are each item's ``boxes`` / ``box_labels`` (the pseudo boxes,
+  ``wsod.data.pseudo_boxes``), resized and flipped with the image by wsod's own transforms.
+  torchvision's transform therefore neither resizes nor normalises again (``PreparedImageTransform``):
+  the data config's scales are the only ones, as for the weakly-supervised model, and the same seeded
+  augmentation stream makes a resumed run exact. Proposals in the batch are ignored: the RPN makes its own.
 - boxes follow wsod's convention at the boundary (``wsod.data.box_formats``: 0-based inclusive
   ``x2, y2``): a target's ``x2 + 1`` (in resized pixels: ``+ w / W``) is torchvision's continuous corner,
   and detections come back with ``x2 - 1``, in original pixels, so that the devkit scores both stages
@@ -57,8 +57,8 @@ MIN_BOX_SIZE = 1e-2
 class PreparedImageTransform(GeneralizedRCNNTransform):
     """torchvision's detection transform for images that wsod's data pipeline has already resized and
     normalised: it only batches (pads to a multiple of 32) and maps boxes back, which is the identity
-    here. Resizing twice would blur the images and make torchvision's random scale choice a second,
-    unseeded augmentation."""
+    here. Resizing twice would blur the images, and torchvision's random training scale would be a
+    second augmentation outside each item's seeded stream (``wsod.data.loader``)."""
 
     def normalize(self, image: Tensor) -> Tensor:
         return image
