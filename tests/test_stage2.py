@@ -22,6 +22,7 @@ from tiny_run import TINY_TOY, tiny_overrides
 
 from wsod.config_checks import ConfigError
 from wsod.data.toy import ensure_toy_dataset
+from wsod.engine.train import NonFiniteLossError
 from wsod.run import evaluate_from_config, predict_from_config, train_from_config
 from wsod.stage2 import export_from_config, train_stage2_from_config
 
@@ -230,3 +231,17 @@ def test_the_second_stage_trains_under_torchrun_with_two_gloo_processes(pipeline
     assert [r["kind"] for r in rows].count("eval") == 1
     assert all(math.isfinite(r["loss_total"]) for r in rows if r["kind"] == "train")
     assert (run_dir / "model_final.pth").is_file()
+
+
+def test_a_diverging_second_stage_run_is_stopped_by_the_non_finite_guard(pipeline, tiny_toy_root, tmp_path):
+    workdir, _ = pipeline
+    pseudo = workdir / "runs" / "toy_stage1" / "pseudo_labels" / "pseudo_labels.json"
+    overrides = [
+        f"pseudo_labels={pseudo}", *_short(tiny_toy_root, "stage2"), f"output_dir={tmp_path / 'run'}",
+        "solver.optimizer=sgd", "solver.lr=1e12", "solver.max_iter=8", "solver.milestones=[7]",
+        "max_nonfinite=2",
+    ]  # fmt: skip
+    with pytest.raises(NonFiniteLossError, match="training stopped") as error:
+        train_stage2_from_config(_compose("stage2", overrides))
+    assert "Lower solver.lr" in str(error.value)
+    assert (tmp_path / "run" / "error.txt").is_file()
