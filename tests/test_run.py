@@ -246,13 +246,13 @@ def test_every_entry_point_shares_one_setup_that_claims_the_directory_and_leaves
         raise ValueError("not this one")
 
     with pytest.raises(ValueError, match="not this one"):
-        run._run_in_directory(cfg, str(tmp_path / "refused"), "unused", fail, claim=refuse)
+        run.run_in_directory(cfg, str(tmp_path / "refused"), "unused", fail, claim=refuse)
     assert not (tmp_path / "refused").exists()  # refused before anything was written there
     out = tmp_path / "out"
     with pytest.raises(RuntimeError, match="boom"):
-        run._run_in_directory(cfg, str(out), "unused", fail)
+        run.run_in_directory(cfg, str(out), "unused", fail)
     assert (out / "error.txt").read_text().startswith("RuntimeError: boom")
-    result = run._run_in_directory(
+    result = run.run_in_directory(
         cfg, str(out), "unused", lambda d, c, device: seen.append((d, device)) or "done",
         claim=lambda directory, cfg: f"claimed {directory.name}",
     )  # fmt: skip

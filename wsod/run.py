@@ -2,7 +2,7 @@
 directory out.
 
 Like ``build.py`` this file reads the config; everything it calls takes plain values. The three entry
-points share one prologue and epilogue (``_run_in_directory``): the config is checked before anything
+points share one prologue and epilogue (``run_in_directory``): the config is checked before anything
 runs; the device and CPU threads are set; the output directory is chosen (once, for every process) and
 claimed; the log goes to its ``log.txt``; a run that ends in an error leaves ``error.txt`` there, and one
 that succeeds removes an earlier attempt's.
@@ -113,6 +113,10 @@ __all__ = [
     "DiscardMultirunYaml",
     "begin_training_run",
     "train_and_evaluate",
+    "run_training",
+    "run_in_directory",
+    "refuse_another_run",
+    "in_multirun",
 ]
 
 logger = logging.getLogger("wsod")
@@ -130,7 +134,7 @@ def choose_output_dir(output_dir: str | None, parent: str, sweep: bool = False) 
     return Path(broadcast_object(output_dir))
 
 
-def _multirun() -> bool:
+def in_multirun() -> bool:
     """Whether this process runs a job of a Hydra multirun (``-m``); False outside Hydra (tests, Python)."""
     return HydraConfig.initialized() and HydraConfig.get().mode == RunMode.MULTIRUN
 
@@ -148,7 +152,7 @@ OmegaConf.register_new_resolver("wsod_folder_name", _one_folder_name, replace=Tr
 def sweep_job_dir() -> str | None:
     """This multirun job's directory, ``<hydra.sweep.dir>/<hydra.sweep.subdir>`` as Hydra resolved them
     (relative paths stay relative, like ``runs/<date>_<time>``); None outside a multirun."""
-    if not _multirun():
+    if not in_multirun():
         return None
     hydra = HydraConfig.get()
     return str(Path(str(hydra.sweep.dir)) / str(hydra.sweep.subdir))
@@ -169,7 +173,7 @@ class DiscardMultirunYaml(Callback):
             (Path(str(config.hydra.sweep.dir)) / "multirun.yaml").unlink(missing_ok=True)
 
 
-def _run_in_directory(
+def run_in_directory(
     cfg: DictConfig,
     output_dir: str | None,
     parent: str,
@@ -223,14 +227,21 @@ def train_from_config(cfg: DictConfig) -> dict[str, Any]:
 
 
 def _train(cfg: DictConfig) -> dict[str, Any]:
+    return run_training(cfg, _train_in)
+
+
+def run_training(cfg: DictConfig, body: Callable[[Path, DictConfig, torch.device], T]) -> T:
+    """``body`` in a training run's directory (``run_in_directory``): ``output_dir``, or under a sweep the
+    job's own, or a new ``runs/<date>_<time>``; a directory holding a run is refused without
+    ``resume=true``, and ``resume=true`` needs the directory named."""
     # A sweep's job knows its directory: rerunning the sweep with resume=true continues each job's run
     # (configs/train.yaml keeps resume out of the directory name).
-    if cfg.resume and cfg.output_dir is None and not _multirun():
+    if cfg.resume and cfg.output_dir is None and not in_multirun():
         raise ConfigError("resume=true needs the run to continue: output_dir=runs/<the run's directory>")
-    return _run_in_directory(cfg, cfg.output_dir, "runs", _train_in, claim=_refuse_another_run, sweep=True)
+    return run_in_directory(cfg, cfg.output_dir, "runs", body, claim=refuse_another_run, sweep=True)
 
 
-def _refuse_another_run(run_dir: Path, cfg: DictConfig) -> None:
+def refuse_another_run(run_dir: Path, cfg: DictConfig) -> None:
     if not cfg.resume and (list_checkpoints(run_dir) or (run_dir / "model_final.pth").exists()):
         raise ConfigError(
             f"{run_dir} already holds a run (checkpoints): resume=true continues it; another output_dir"
@@ -277,7 +288,7 @@ def begin_training_run(
     resume_from = latest_valid_checkpoint(run_dir) if cfg.resume else None
     if main:
         logger.info("command: %s", " ".join(sys.argv))
-        if _multirun():  # the command is the whole sweep's: say which of its jobs this is
+        if in_multirun():  # the command is the whole sweep's: say which of its jobs this is
             hydra = HydraConfig.get()
             logger.info("sweep job #%s: %s", hydra.job.num, " ".join(hydra.overrides.task) or "(no override)")
         logger.info("run directory %s, device %s, %d process(es)", run_dir, device, get_world_size())
@@ -429,7 +440,7 @@ def evaluate_from_config(cfg: DictConfig) -> dict[str, float]:
 
 
 def _evaluate(cfg: DictConfig) -> dict[str, float]:
-    return _run_in_directory(cfg, cfg.output_dir, "runs/eval", _evaluate_in)
+    return run_in_directory(cfg, cfg.output_dir, "runs/eval", _evaluate_in)
 
 
 def _evaluate_in(out_dir: Path, cfg: DictConfig, device: torch.device) -> dict[str, float]:
@@ -492,7 +503,7 @@ def predict_from_config(cfg: DictConfig) -> dict[str, Any]:
     """Predict ``cfg.input`` with ``cfg.checkpoint`` (configs/predict.yaml; the module docstring says
     what is written); returns a summary. One process: no process group is joined."""
     check_config(cfg, PREDICT_RULES)
-    return _run_in_directory(cfg, cfg.output, "runs/predict", _predict_in, claim=_clear_output)
+    return run_in_directory(cfg, cfg.output, "runs/predict", _predict_in, claim=_clear_output)
 
 
 def _clear_output(out_dir: Path, cfg: DictConfig) -> str | None:

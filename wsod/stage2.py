@@ -53,7 +53,7 @@ from wsod.engine.inference import predict
 from wsod.engine.pseudo_boxes import PseudoBoxRule, pseudo_box_quality, select_pseudo_boxes
 from wsod.evaluation.coco import format_percent
 from wsod.modeling.faster_rcnn import ARCHITECTURE
-from wsod.run import _multirun, _refuse_another_run, _run_in_directory, begin_training_run, train_and_evaluate
+from wsod.run import begin_training_run, run_in_directory, run_training, train_and_evaluate
 
 __all__ = ["export_from_config", "train_stage2_from_config", "PSEUDO_LABELS_FILE"]
 
@@ -70,7 +70,7 @@ def export_from_config(cfg: DictConfig) -> dict[str, Any]:
     returns the summary. One process."""
     check_config(cfg, EXPORT_RULES)
     output_dir = cfg.output_dir or str(Path(cfg.checkpoint).parent / "pseudo_labels")
-    return _run_in_directory(cfg, output_dir, "runs/export", _export_in, claim=_refuse_overwrite)
+    return run_in_directory(cfg, output_dir, "runs/export", _export_in, claim=_refuse_overwrite)
 
 
 def _refuse_overwrite(out_dir: Path, cfg: DictConfig) -> str | None:
@@ -233,11 +233,7 @@ def train_stage2_from_config(cfg: DictConfig) -> dict[str, Any]:
     check_config(cfg, STAGE2_RULES)
     setup_distributed()
     try:
-        if cfg.resume and cfg.output_dir is None and not _multirun():
-            raise ConfigError("resume=true needs the run to continue: output_dir=runs/<the run's directory>")
-        return _run_in_directory(
-            cfg, cfg.output_dir, "runs", _train_stage2_in, claim=_refuse_another_run, sweep=True
-        )
+        return run_training(cfg, _train_stage2_in)
     finally:
         cleanup_distributed()
 
