@@ -217,15 +217,25 @@ def _training_step(
     adversarial DropBlock step after it."""
     device_type = batch["images"].device.type
     optimizer.zero_grad(set_to_none=True)
-    with torch.autocast(device_type, dtype=torch.bfloat16, enabled=amp):
-        losses, shared = model(**batch, return_features=True)
-    if variant == "gradnorm":
-        helper.weighted_total(losses, shared).backward()
-    elif variant == "gradnorm_retain":
-        _gradnorm_retain_graph(losses, shared, helper)
+    if variant == "gradnorm_retain":
+        with torch.autocast(device_type, dtype=torch.bfloat16, enabled=amp):
+            losses, shared = model(**batch, return_features=True)
+        _gradnorm_retain_graph(losses, shared, helper)  # the usual order: the graph stays alive anyway
+        del losses, shared
     else:
-        sum(losses.values()).backward()
-    del losses, shared
+        with torch.autocast(device_type, dtype=torch.bfloat16, enabled=amp):
+            if variant == "gradnorm":
+                losses, shared = model(**batch, return_features=True)
+                total = helper.weighted_total(losses, shared)
+                # Not held through the backward: the heads' backward frees the (R, D) ROI features,
+                # and a reference here would keep them alive at the neck's peak (kilobytes per ROI).
+                del shared
+            else:
+                losses = model(**batch)
+                total = sum(losses.values())
+        del losses
+        total.backward()
+        del total
     optimizer.step()
     if variant == "gradnorm":
         helper.step()

@@ -286,6 +286,9 @@ def _forward_backward(
             else:  # GradNorm measures at the ROI features, before the one backward
                 losses, roi_features = model(**inputs, return_features=True)
                 total = combiner.combine(losses, roi_features)
+                # Dropped before the backward, which frees the (R, D) features once the heads' gradients
+                # are computed: held here, they would stay alive at the neck's peak (kilobytes per ROI).
+                del roi_features
         scaler.scale(total / accumulation).backward()
         for name, value in losses.items():
             step_losses[name] = step_losses.get(name, 0) + value.detach() / accumulation
