@@ -123,3 +123,16 @@ def test_scheduler_gets_the_configured_momentum_rescale(rescale):
     scheduler.step()  # lr x0.1
     buffer = optimizer.state[model.weight]["momentum_buffer"]
     assert buffer.flatten().tolist() == pytest.approx([0.1, 0.1] if rescale else [1.0, 1.0])
+
+
+def test_threads_auto_takes_the_cores_less_the_loader_workers_and_a_number_as_given(monkeypatch):
+    from wsod.build import resolve_threads
+
+    monkeypatch.setattr("os.sched_getaffinity", lambda pid: set(range(8)), raising=False)
+    monkeypatch.delenv("LOCAL_WORLD_SIZE", raising=False)
+    assert resolve_threads("auto", 2) == 6  # an 8-core laptop, two loader workers
+    assert resolve_threads("auto", 0) == 8
+    assert resolve_threads("auto", 12) == 1  # at least one
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "4")  # torchrun, 4 processes on this node: 2 cores each
+    assert resolve_threads("auto", 1) == 1 and resolve_threads("auto", 0) == 2
+    assert resolve_threads(3, 2) == 3 and resolve_threads(None, 2) is None and resolve_threads(0, 2) is None

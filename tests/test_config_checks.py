@@ -182,6 +182,8 @@ def test_the_roi_sampling_keys_are_checked():
         ("train", ["output_dir=''"], "output_dir='': expected null or a folder"),
         ("eval", [], "checkpoint='???': expected a path, e.g. checkpoint=runs/my_run/model_final.pth"),
         ("eval", ["checkpoint=m.pth", "data.train.num_workers=-1"], "data.train.num_workers=-1: expected"),
+        ("train", ["threads=two"], "threads='two': expected auto, null or an integer >= 0"),
+        ("stage2", ["pseudo_labels=p.json", "threads=-1"], "threads=-1: expected auto, null or an integer"),
     ],
 )
 def test_the_rules_added_with_the_coverage_test_name_the_key(name, overrides, message):

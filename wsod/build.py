@@ -5,6 +5,7 @@ tools/) and ``wsod.config_checks`` checks it. See configs/ for the fields and th
 from __future__ import annotations
 
 import logging
+import os
 import pkgutil
 from pathlib import Path
 from typing import Any
@@ -40,6 +41,7 @@ from wsod.modeling.refinement import MISTLabeler, OICRLabeler, PseudoLabeler
 __all__ = [
     "LABELERS",
     "resolve_device",
+    "resolve_threads",
     "build_method",
     "build_labeler",
     "build_model",
@@ -72,6 +74,18 @@ def resolve_device(name: str) -> torch.device:
     if torch.cuda.is_available():
         return torch.device("cuda", torch.cuda.current_device())
     return torch.device("cpu")
+
+
+def resolve_threads(threads: int | str | None, loader_workers: int) -> int | None:
+    """torch's intra-op threads on CPU for a ``threads`` setting: a number as given; ``auto``: the cores
+    this process may use (its CPU affinity) shared among the local processes of a torchrun
+    (``LOCAL_WORLD_SIZE``), less the data-loader workers, which decode and transform on cores of their
+    own, at least 1; ``None`` or 0: torch's own default (every core)."""
+    if threads != "auto":
+        return int(threads) if threads else None
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    local_processes = max(1, int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
+    return max(1, cores // local_processes - loader_workers)
 
 
 def _plain(node: DictConfig | dict | None) -> dict[str, Any]:

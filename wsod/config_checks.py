@@ -163,7 +163,10 @@ def _device(value: Any) -> bool:
 
 _COMMON = {
     "device": _Rule(_device, "auto, cpu, cuda or cuda:N"),
-    "threads": _integer(0, optional=True),
+    "threads": _Rule(
+        lambda v: v is None or v == "auto" or (_is_int(v) and v >= 0),
+        "auto, null or an integer >= 0 (0, null: torch's default)",
+    ),
     "progress": _FLAG,
     "random_baseline": _FLAG,
     "data.kind": _choice("toy", "voc", "coco", "folder"),

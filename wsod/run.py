@@ -61,6 +61,7 @@ from wsod.build import (
     load_detector,
     prepare_data,
     resolve_device,
+    resolve_threads,
 )
 from wsod.cli import error_message, setup_logging, write_failure
 from wsod.config_checks import (
@@ -173,6 +174,16 @@ class DiscardMultirunYaml(Callback):
             (Path(str(config.hydra.sweep.dir)) / "multirun.yaml").unlink(missing_ok=True)
 
 
+def _loader_workers(cfg: DictConfig) -> int:
+    """The data-loader workers of an entry point's main loader: training's, prediction's, else the
+    test set's (evaluation, export)."""
+    if "solver" in cfg:
+        return int(cfg.data.train.num_workers)
+    if "num_workers" in cfg:
+        return int(cfg.num_workers)
+    return int(cfg.data.test.num_workers) if "data" in cfg else 0
+
+
 def run_in_directory(
     cfg: DictConfig,
     output_dir: str | None,
@@ -190,8 +201,9 @@ def run_in_directory(
     """
     main = is_main_process()
     device = resolve_device(cfg.device)
-    if device.type == "cpu" and cfg.threads:
-        torch.set_num_threads(cfg.threads)
+    threads = resolve_threads(cfg.threads, _loader_workers(cfg))
+    if device.type == "cpu" and threads:
+        torch.set_num_threads(threads)
     directory = choose_output_dir(output_dir, parent, sweep=sweep)
     note = claim(directory, cfg) if claim is not None else None
     directory.mkdir(parents=True, exist_ok=True)
