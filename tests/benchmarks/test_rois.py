@@ -5,12 +5,12 @@ from __future__ import annotations
 import csv
 import importlib.util
 import math
-import weakref
 from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
 import torch
+from alive_probe import AliveProbe
 
 from wsod.benchmarks.rois import (
     _training_step,
@@ -146,23 +146,6 @@ def test_a_variant_over_a_step_without_a_measured_memory_rise_prints_no_ratio():
     assert "- fused+dropblock (chunk 4) / without +dropblock at 8 ROIs: peak memory n/a" in "\n".join(lines)
 
 
-class _Probe(torch.autograd.Function):
-    """The identity; its backward records whether the Python tensor its forward returned is still
-    referenced by anyone (autograd keeps no reference to it here)."""
-
-    ref = None
-    alive: list[bool] = []
-
-    @staticmethod
-    def forward(ctx, x):
-        return x.clone()
-
-    @staticmethod
-    def backward(ctx, grad):
-        _Probe.alive.append(_Probe.ref() is not None)
-        return grad
-
-
 class _WithFeatures(torch.nn.Module):
     """A detector stand-in whose ROI features only its caller references (its loss, a sum, saves none)."""
 
@@ -171,8 +154,7 @@ class _WithFeatures(torch.nn.Module):
         self.weight = torch.nn.Parameter(torch.ones(3))
 
     def forward(self, images, return_features=False, **unused):
-        features = _Probe.apply(self.weight * images.flatten(1)[:, :3])
-        _Probe.ref = weakref.ref(features)
+        features = AliveProbe.track(self.weight * images.flatten(1)[:, :3])
         losses = {"loss_mil": features.sum(), "loss_ref": features.pow(2).sum()}
         return (losses, features) if return_features else losses
 
@@ -181,11 +163,11 @@ class _WithFeatures(torch.nn.Module):
 def test_the_benchmark_step_holds_no_roi_features_through_its_backward(variant):
     # Held through the backward, the (R, D) features stay alive at the neck's peak: the fused per-ROI
     # slope of r50_c4 read 17.0 KB instead of 8.5 (the same command, before and after).
-    model, _Probe.alive = _WithFeatures(), []
+    model = _WithFeatures()
     optimizer = torch.optim.SGD(model.parameters(), lr=0.0)
     helper = LossBalancer(2) if variant else None
     _training_step(model, optimizer, {"images": torch.ones(2, 3, 4, 4)}, False, variant, helper)
-    assert _Probe.alive == [False] and model.weight.grad is not None
+    assert AliveProbe.alive == [False] and model.weight.grad is not None
 
 
 @pytest.mark.slow

@@ -7,11 +7,11 @@ from __future__ import annotations
 
 import itertools
 import json
-import weakref
 from types import SimpleNamespace
 
 import pytest
 import torch
+from alive_probe import AliveProbe
 from torch import nn
 
 from wsod.engine.checkpoint import Checkpointer, latest_valid_checkpoint
@@ -328,23 +328,6 @@ def test_periodic_evaluations_keep_the_best_checkpoint_and_the_final_one_comes_l
     assert [r["kind"] for r in _rows(tmp_path)] == ["train", "eval"] * 3 + ["train"]
 
 
-class _Probe(torch.autograd.Function):
-    """The identity; its backward records whether the Python tensor its forward returned is still
-    referenced by anyone (the loop, a companion): autograd itself keeps no reference to it here."""
-
-    ref = None
-    alive: list[bool] = []
-
-    @staticmethod
-    def forward(ctx, x):
-        return x.clone()
-
-    @staticmethod
-    def backward(ctx, grad):
-        _Probe.alive.append(_Probe.ref() is not None)
-        return grad
-
-
 class _WithFeatures(nn.Module):
     """A detector stand-in whose "ROI features" are only referenced by whoever it returns them to (its
     loss, a sum, saves nothing): the backward reaches the features after the heads, as the neck's does."""
@@ -356,8 +339,7 @@ class _WithFeatures(nn.Module):
     def forward(
         self, images, proposals, image_labels, image_sizes, original_sizes, targets, return_features=False
     ):
-        features = _Probe.apply(self.weight * images.flatten(1)[:, :3])
-        _Probe.ref = weakref.ref(features)
+        features = AliveProbe.track(self.weight * images.flatten(1)[:, :3])
         losses = {"loss_a": features.sum()}
         return (losses, features) if return_features else losses
 
@@ -377,10 +359,10 @@ def test_the_roi_features_are_not_held_through_the_backward(combined):
     # (kilobytes per ROI: the fused slope of tools/benchmark_rois.py doubled when they were).
     from wsod.engine.train import _forward_backward
 
-    model, _Probe.alive = _WithFeatures(), []
+    model = _WithFeatures()
     batch = {"images": torch.ones(2, 3, 4, 4), "proposals": [torch.zeros(1, 4)] * 2, "image_labels": None,
              "image_sizes": [(4, 4)] * 2, "original_sizes": [(4, 4)] * 2, "targets": [{}, {}]}  # fmt: skip
     scaler = torch.amp.GradScaler("cpu", enabled=False)
     companions = [_Combiner()] if combined else []
     _forward_backward(model, itertools.repeat(batch), torch.device("cpu"), 1, None, scaler, companions)
-    assert _Probe.alive == [False] and model.weight.grad is not None
+    assert AliveProbe.alive == [False] and model.weight.grad is not None
