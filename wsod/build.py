@@ -298,7 +298,6 @@ def build_stage2_train_dataset(data_cfg: DictConfig, pseudo_labels: str | Path) 
         _open(data_cfg, source, transform=transform, max_proposals=train.max_proposals, drop_unlabelled=True)
         for source in train.sets
     ]
-    whole = ConcatWeakDataset(sets) if len(sets) > 1 else None
     records = [r for d in sets for r in d.records]
     partial = sum(1 for r in records if r.supervision)
     if partial:  # a train set's partial_labels side file: the first stage's supervision, not the second's
@@ -314,10 +313,8 @@ def build_stage2_train_dataset(data_cfg: DictConfig, pseudo_labels: str | Path) 
             check_supervision(
                 r.supervision, (r.height, r.width), f"{pseudo_labels}: image {r.image_id!r} ({r.path})"
             )
-    sets = [d for d in sets if d.records]
-    if whole is not None:
-        return ConcatWeakDataset(sets) if len(sets) > 1 else sets[0]
-    return sets[0]
+    sets = [d for d in sets if d.records]  # a set none of whose images the json holds: left out
+    return sets[0] if len(sets) == 1 else ConcatWeakDataset(sets)
 
 
 def build_test_dataset(data_cfg: DictConfig) -> WeakDetectionDataset:

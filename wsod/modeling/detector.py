@@ -58,6 +58,8 @@ __all__ = [
     "build_detector",
     "detector_from_backbone",
     "proposals_to_rois",
+    "postprocess_rois",
+    "per_class_nms",
 ]
 
 # Backbone name -> builder(**options) -> Backbone. A new backbone is one module and one line here.
@@ -404,18 +406,37 @@ class WeaklySupervisedDetector(nn.Module):
             return self._postprocess(scores, boxes)
 
     def _postprocess(self, scores: Tensor, boxes: Tensor) -> dict[str, Tensor]:
-        num_classes = scores.shape[1] - 1
-        fg_scores = scores[:, 1:].reshape(-1)
-        fg_boxes = boxes[:, 1:].reshape(-1, 4)
-        fg_labels = torch.arange(num_classes, device=scores.device).repeat(scores.shape[0])
-        keep = fg_scores > self.score_threshold
-        fg_scores, fg_boxes, fg_labels = fg_scores[keep], fg_boxes[keep], fg_labels[keep]
-        # A box clipped to nothing (predicted outside the image) is no detection, and its IoU is 0/0.
-        keep = remove_small_boxes(fg_boxes, MIN_BOX_SIZE)
-        fg_scores, fg_boxes, fg_labels = fg_scores[keep], fg_boxes[keep], fg_labels[keep]
-        kept = batched_nms(fg_boxes.float(), fg_scores.float(), fg_labels, self.nms_iou)
-        kept = kept[: self.detections_per_image]
-        return {"boxes": fg_boxes[kept], "scores": fg_scores[kept], "labels": fg_labels[kept]}
+        return postprocess_rois(
+            scores, boxes, score_threshold=self.score_threshold, nms_iou=self.nms_iou,
+            detections_per_image=self.detections_per_image,
+        )  # fmt: skip
+
+
+def postprocess_rois(
+    scores: Tensor, boxes: Tensor, *, score_threshold: float, nms_iou: float, detections_per_image: int
+) -> dict[str, Tensor]:
+    """One image's per-ROI scores (R, C+1) and boxes (R, C+1, 4), column 0 the background -> the
+    foreground detections of ``per_class_nms``, labels in 0..C-1."""
+    num_classes = scores.shape[1] - 1
+    fg_scores = scores[:, 1:].reshape(-1)
+    fg_boxes = boxes[:, 1:].reshape(-1, 4)
+    fg_labels = torch.arange(num_classes, device=scores.device).repeat(scores.shape[0])
+    return per_class_nms(fg_boxes, fg_scores, fg_labels, score_threshold, nms_iou, detections_per_image)
+
+
+def per_class_nms(
+    boxes: Tensor, scores: Tensor, labels: Tensor, score_threshold: float | None, nms_iou: float, top: int
+) -> dict[str, Tensor]:
+    """Detections (D, 4) / (D,) / (D,) scoring above ``score_threshold`` (None: all), without boxes
+    clipped to nothing, after per-class NMS at ``nms_iou``: the best ``top``, by decreasing score."""
+    if score_threshold is not None:
+        keep = scores > score_threshold
+        boxes, scores, labels = boxes[keep], scores[keep], labels[keep]
+    # A box clipped to nothing (predicted outside the image) is no detection, and its IoU is 0/0.
+    keep = remove_small_boxes(boxes, MIN_BOX_SIZE)
+    boxes, scores, labels = boxes[keep], scores[keep], labels[keep]
+    kept = batched_nms(boxes.float(), scores.float(), labels, nms_iou)[:top]
+    return {"boxes": boxes[kept], "scores": scores[kept], "labels": labels[kept]}
 
 
 def _check_students(method: RefinementMethod, students: Sequence[RefinementStudent]) -> None:

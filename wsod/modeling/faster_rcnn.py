@@ -35,8 +35,8 @@ from torchvision.models.detection.anchor_utils import AnchorGenerator
 from torchvision.models.detection.backbone_utils import BackboneWithFPN
 from torchvision.models.detection.faster_rcnn import FastRCNNPredictor, TwoMLPHead
 from torchvision.models.detection.transform import GeneralizedRCNNTransform
-from torchvision.ops import batched_nms, remove_small_boxes
 
+from wsod.modeling.detector import per_class_nms, postprocess_rois
 from wsod.modeling.resnet import build_resnet_trunk, stage_channels
 
 __all__ = [
@@ -50,8 +50,6 @@ __all__ = [
 # The ``metadata["architecture"]`` of a second-stage checkpoint (``wsod.build.load_detector`` reads it;
 # weakly-supervised checkpoints have none).
 ARCHITECTURE = "faster_rcnn"
-# Detections whose clipped box is thinner than this (pixels) are dropped, as in the weak detector.
-MIN_BOX_SIZE = 1e-2
 
 
 class PreparedImageTransform(GeneralizedRCNNTransform):
@@ -158,13 +156,10 @@ class FasterRCNNDetector(nn.Module):
     def postprocess(self, scores: Tensor, boxes: Tensor) -> dict[str, Tensor]:
         """Per-ROI scores (R, C+1) and boxes (R, C+1, 4) -> detections, with this detector's threshold,
         per-class NMS and cap (torchvision's rules; the evaluator's chance level calls it)."""
-        num_classes = scores.shape[1] - 1
-        fg_scores = scores[:, 1:].reshape(-1)
-        fg_boxes = boxes[:, 1:].reshape(-1, 4)
-        fg_labels = torch.arange(num_classes, device=scores.device).repeat(scores.shape[0])
-        return _nms(
-            fg_boxes, fg_scores, fg_labels, self.score_threshold, self.nms_iou, self.detections_per_image
-        )
+        return postprocess_rois(
+            scores, boxes, score_threshold=self.score_threshold, nms_iou=self.nms_iou,
+            detections_per_image=self.detections_per_image,
+        )  # fmt: skip
 
 
 def merge_views(
@@ -176,24 +171,12 @@ def merge_views(
     boxes = torch.cat([v["boxes"] for v in views])
     scores = torch.cat([v["scores"] for v in views])
     labels = torch.cat([v["labels"] for v in views])
-    merged = _nms(boxes, scores, labels, None, nms_iou, detections_per_image) if len(views) > 1 else {
-        "boxes": boxes, "scores": scores, "labels": labels,
-    }  # fmt: skip
+    # One view's detections passed the same NMS already: NMS again keeps them all.
+    merged = per_class_nms(boxes, scores, labels, None, nms_iou, detections_per_image)
     image_scores = torch.zeros(num_classes, dtype=scores.dtype, device=scores.device)
     image_scores.scatter_reduce_(0, merged["labels"], merged["scores"], reduce="amax")
     merged["image_scores"] = image_scores
     return merged
-
-
-def _nms(
-    boxes: Tensor, scores: Tensor, labels: Tensor, threshold: float | None, iou: float, top: int
-) -> dict[str, Tensor]:
-    keep = scores > threshold if threshold is not None else torch.ones_like(scores, dtype=torch.bool)
-    boxes, scores, labels = boxes[keep], scores[keep], labels[keep]
-    keep = remove_small_boxes(boxes, MIN_BOX_SIZE)
-    boxes, scores, labels = boxes[keep], scores[keep], labels[keep]
-    kept = batched_nms(boxes.float(), scores.float(), labels, iou)[:top]
-    return {"boxes": boxes[kept], "scores": scores[kept], "labels": labels[kept]}
 
 
 def _unpadded(images: Tensor, image_sizes: Sequence[tuple[int, int]]) -> list[Tensor]:
