@@ -369,8 +369,18 @@ def build_balancer(
     settings = solver_cfg.gradnorm
     if not settings.enabled:
         return None
-    num_losses = len(model.loss_names)
-    balancer = LossBalancer(num_losses, alpha=settings.alpha, lr=settings.lr, min_weight=settings.min_weight)
+    balancer = LossBalancer(
+        len(model.loss_names),
+        alpha=settings.alpha,
+        lr=settings.lr,
+        min_weight=settings.min_weight,
+        start_iter=settings.start_iter,
+        window=settings.window,
+        balance=settings.balance,
+        normalize_rates=settings.normalize_rates,
+        milestones=list(solver_cfg.milestones) if settings.follow_milestones else [],
+        gamma=solver_cfg.gamma,
+    )
     return balancer.to(device)
 
 
@@ -400,7 +410,15 @@ def build_adversary(
         momentum_rescale=solver_cfg.momentum_rescale,
     )
     amp = resolve_amp(solver_cfg.amp, device)
-    return DropBlockAdversary(model, optimizer, scheduler, weight=settings.weight, amp=amp, device=device)
+    return DropBlockAdversary(
+        model,
+        optimizer,
+        scheduler,
+        weight=settings.weight,
+        amp=amp,
+        device=device,
+        single_pass=settings.single_pass,
+    )
 
 
 def build_scheduler(

@@ -85,6 +85,9 @@ def _number(low: float | None = None, high: float | None = None, *, above: bool 
     )
 
 
+_ODD_SIZE = _Rule(lambda v: _is_int(v) and v >= 1 and v % 2 == 1, "an odd integer >= 1")
+
+
 def _choice(*options: Any) -> _Rule:
     return _Rule(
         lambda v: v in options, "one of " + ", ".join("null" if o is None else str(o) for o in options)
@@ -238,6 +241,7 @@ TRAIN_RULES: dict[str, _Rule] = {
     "model.fuse_pooling": _FLAG,
     "model.dropblock": _FLAG,
     "model.dropblock_hidden": _integer(1, optional=True),
+    "model.dropblock_block_size": _ODD_SIZE,
     "model.nms_iou": _number(0, 1),
     "model.score_threshold": _number(0, 1),
     "model.detections_per_image": _integer(1),
@@ -281,10 +285,19 @@ TRAIN_RULES: dict[str, _Rule] = {
     "solver.dropblock.warmup_iters": _integer(0),
     "solver.dropblock.warmup_factor": _number(0, 1, above=True),
     "solver.dropblock.weight": _number(0),
+    "solver.dropblock.single_pass": _FLAG,
     "solver.gradnorm.enabled": _FLAG,
     "solver.gradnorm.alpha": _number(0),
     "solver.gradnorm.lr": _number(0, above=True),
-    "solver.gradnorm.min_weight": _number(0, 1),
+    "solver.gradnorm.min_weight": _Rule(
+        lambda v: v is None or (_is_number(v) and 0 <= v <= 1),
+        "null (no floor: as published) or a number in [0, 1]",
+    ),
+    "solver.gradnorm.start_iter": _integer(0),
+    "solver.gradnorm.window": _integer(0),
+    "solver.gradnorm.balance": _choice("all", "students"),
+    "solver.gradnorm.normalize_rates": _FLAG,
+    "solver.gradnorm.follow_milestones": _FLAG,
 }
 
 EVAL_RULES: dict[str, _Rule] = {
@@ -486,7 +499,9 @@ _MOVED_KEYS = {f"model.{key}": f"method.{key}" for key in MOVED_TO_METHOD}
 def _fill_added_keys(old_flat: dict[str, Any], new_flat: Mapping[str, Any]) -> None:
     """A config saved before partial labels (no ``data.train.roi_sampling``, train sets without
     ``partial_labels``) is read as the same run with them off: sampling only acts on images with points
-    or scribbles, which such a run had none of."""
+    or scribbles, which such a run had none of. One saved before ``model.dropblock_block_size`` had 3."""
+    if "model.dropblock" in old_flat and "model.dropblock_block_size" not in old_flat:
+        old_flat["model.dropblock_block_size"] = 3  # the one size before it was a setting
     if "data.train.sets" not in old_flat or "data.train.roi_sampling.rois_per_image" in old_flat:
         return
     for key in ("data.train.roi_sampling.rois_per_image", "data.train.roi_sampling.positive_fraction"):

@@ -232,7 +232,7 @@ def test_state_dict_round_trip_keeps_initial_losses():
     with torch.no_grad():
         gradnorm.weights.copy_(torch.tensor([1.5, 0.5, 1.25, 0.75]))
     state = gradnorm.state_dict()
-    assert set(state) == {"weights", "initial_losses"}
+    assert set(state) == {"weights", "initial_losses", "baseline_sum", "baseline_count"}
 
     restored = GradNorm(4, alpha=1.0).double()
     assert not restored.initialized

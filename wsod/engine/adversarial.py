@@ -7,6 +7,13 @@ batches, with new DropBlock samples, and an update of the DropBlock parameters a
 ``-weight x total loss`` (so ascending on the detector's loss) with their own optimizer and schedule.
 The schedule steps with the detector's, whether the detector's step was applied or skipped.
 
+With ``single_pass`` (``solver.dropblock.single_pass``; a departure from the reference, docs/METHOD.md §6)
+there is no second forward: the detector's own backward has already given the DropBlock parameters the
+gradient of the detector's loss through the straight-through masks (the loss it descends on, so with
+GradNorm the weighted total), and this step negates and scales that gradient. It costs the scorer's
+forward and backward inside the detector's pass, not a second pass of the neck and heads; its masks are
+the ones the detector trained on, where the reference's are fresh draws.
+
 The second pass only needs the gradient of the DropBlock parameters. Every other parameter is set not to
 require grad for its duration, so the base network builds no graph, the sequentially back-propagated
 neck recomputes its chunks for the DropBlock parameters only, and the heads contribute no parameter
@@ -58,10 +65,11 @@ class DropBlockAdversary(Companion):
             ``skip``, as the detector's is.
         weight: the DropBlock loss is ``-weight`` x the detector's total loss (reference: 0.01).
         amp: the training loop's resolved precision (None, "bf16" or "fp16"); fp16 uses its own scaler.
+        single_pass: update from the gradients the detector's backward left on the DropBlock parameters
+            (no second forward); not with fp16, whose loss scale belongs to the loop's scaler.
     """
 
     name = "adversary"
-    needs_inputs = True  # the second forward runs on the step's own batches
 
     def __init__(
         self,
@@ -72,9 +80,17 @@ class DropBlockAdversary(Companion):
         weight: float = 0.01,
         amp: str | None = None,
         device: torch.device | str = "cpu",
+        single_pass: bool = False,
     ) -> None:
         if detector.dropblock is None:
             raise ValueError("the detector has no DropBlock to train (build it with dropblock=True)")
+        if single_pass and amp == "fp16":
+            raise ValueError(
+                "solver.dropblock.single_pass cannot run with fp16 (the detector's gradients carry the"
+                " loop's loss scale): use amp=bf16 or null, or the two-pass step"
+            )
+        self.single_pass = bool(single_pass)
+        self.needs_inputs = not self.single_pass  # the second forward runs on the step's own batches
         self.detector, self.optimizer, self.scheduler = detector, optimizer, scheduler
         self.weight, self.amp, self.device = weight, amp, torch.device(device)
         self.scaler = torch.amp.GradScaler(self.device.type, enabled=amp == "fp16")
@@ -116,15 +132,38 @@ class DropBlockAdversary(Companion):
         self.optimizer.zero_grad(set_to_none=True)
         return mean_loss
 
+    def step_from_detector_gradients(self) -> bool:
+        """The single-pass update: the gradients of the detector's loss that its backward left on the
+        DropBlock parameters (a mean over the step's batches, as the detector's own), averaged over
+        processes, negated and scaled by ``weight``, one optimizer step. Returns whether it was applied
+        (not when a gradient is not finite: counted in ``skipped_steps``)."""
+        grads = [all_reduce_mean(p.grad) if p.grad is not None else torch.zeros_like(p) for p in self.params]
+        self.optimizer.zero_grad(set_to_none=True)
+        if not all(bool(torch.isfinite(g).all()) for g in grads):
+            self.skipped_steps += 1
+            return False
+        for p, g in zip(self.params, grads, strict=True):
+            p.grad = -self.weight * g  # ascend on the detector's loss
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        return True
+
     def after_step(self, inputs: Sequence[dict[str, Any]]) -> dict[str, float]:
         """The adversarial update on the detector's applied step (``inputs``: its micro-batches), then the
-        schedule's step. Logs the mean detector loss of the second forward as ``adversarial_loss``."""
-        values = {"adversarial_loss": self.step(inputs)}
+        schedule's step. Two-pass: logs the mean detector loss of the second forward as
+        ``adversarial_loss`` (single pass: the detector's own loss is the one, already logged)."""
+        if self.single_pass:
+            self.step_from_detector_gradients()
+            values = {}
+        else:
+            values = {"adversarial_loss": self.step(inputs)}
         self._advance_schedule()
         return values
 
     def skip(self) -> None:
-        """No adversarial update on a skipped step; the schedule still steps, as the detector's does."""
+        """No adversarial update on a skipped step (the detector's gradients on the DropBlock are
+        dropped); the schedule still steps, as the detector's does."""
+        self.optimizer.zero_grad(set_to_none=True)
         self._advance_schedule()
 
     def log_values(self) -> dict[str, float]:

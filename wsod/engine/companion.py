@@ -36,11 +36,14 @@ class Companion:
             the forward then also returns the (R, D) ROI features, which ``combine`` may differentiate.
         needs_inputs: ``after_step`` receives the step's model inputs (kept on the device until then);
             the others receive an empty list, so that the step's batches are freed as it goes.
+        needs_loss_scales: (with ``combines_losses``) ``combine`` also receives each loss's
+            pseudo-label weight scale (the detector's ``return_loss_scales``) as a third argument.
     """
 
     name: ClassVar[str] = ""
     combines_losses: ClassVar[bool] = False
-    needs_inputs: ClassVar[bool] = False
+    needs_inputs: bool = False  # a class default; a companion may set it per instance
+    needs_loss_scales: bool = False
 
     def combine(self, losses: dict[str, Tensor], roi_features: Tensor) -> Tensor:
         """The scalar total of one batch's ``losses`` for its backward (``combines_losses`` only)."""

@@ -23,6 +23,9 @@ tensor:
 
 * G_i = || d(w_i L_i) / dS ||_2;
 * r_i = (L_i / L_i(0)) / mean_j (L_j / L_j(0)); target_i = mean_j(G_j) * r_i ** alpha (a constant);
+  the rates may read other values than the losses themselves (``rate_values``: a student's loss divided
+  by its mean pseudo-label weight), and L_i(0) may be the mean of those values over a window of calls
+  before the first balance (``observe``, then ``record_baseline``) instead of the first call's;
 * L_grad = sum_i |G_i - target_i|; ``weights.grad`` is set to dL_grad/dw (the model gets nothing
   from L_grad, as in the paper);
 * the returned total is sum_i w_i L_i with the weights detached: its backward gives the model its
@@ -62,8 +65,12 @@ class GradNorm(nn.Module):
 
     Attributes:
         weights: parameter (N,), initialised to 1; optimise it with the model, then ``renormalize()``.
-        initial_losses: buffer (N,), the losses at the first ``balance`` call; NaN until then. It is in
-            ``state_dict()``, so a GradNorm restored from a checkpoint keeps the recorded values.
+        initial_losses: buffer (N,), L_i(0): the rate values at the first ``balance`` call, or their
+            window mean (``record_baseline``); NaN until then. It is in ``state_dict()``, so a GradNorm
+            restored from a checkpoint keeps the recorded values.
+        baseline_sum, baseline_count: buffers (N,), what ``observe`` gathered for ``record_baseline``
+            (finite positive values only); in ``state_dict()`` too, so a run stopped inside the window
+            resumes with it.
         last_norms: (N,) G_i of the last call, detached (for logging).
         last_ratios: (N,) r_i of the last call.
         last_targets: (N,) target_i of the last call.
@@ -85,6 +92,8 @@ class GradNorm(nn.Module):
         self.weights = nn.Parameter(torch.ones(num_losses))
         # NaN marks "not recorded yet"; a persistent buffer so that checkpoints carry it.
         self.register_buffer("initial_losses", torch.full((num_losses,), float("nan")))
+        self.register_buffer("baseline_sum", torch.zeros(num_losses, dtype=torch.float64))
+        self.register_buffer("baseline_count", torch.zeros(num_losses, dtype=torch.float64))
         self.last_norms: Tensor | None = None
         self.last_ratios: Tensor | None = None
         self.last_targets: Tensor | None = None
@@ -94,12 +103,50 @@ class GradNorm(nn.Module):
     def extra_repr(self) -> str:
         return f"num_losses={self.num_losses}, alpha={self.alpha}, min_weight={self.min_weight}"
 
+    def _load_from_state_dict(self, state_dict, prefix, *args, **kwargs) -> None:  # noqa: ANN001
+        # A state saved before the baseline window existed has no window buffers: an empty window.
+        for name in ("baseline_sum", "baseline_count"):
+            state_dict.setdefault(prefix + name, torch.zeros_like(getattr(self, name)))
+        super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)
+
     @property
     def initialized(self) -> bool:
         """Whether the initial losses have been recorded (by a call or by ``load_state_dict``)."""
         return not bool(torch.isnan(self.initial_losses).any())
 
-    def balance(self, losses: Sequence[Tensor] | Mapping[str, Tensor], shared: Tensor) -> Tensor:
+    @torch.no_grad()
+    def observe(self, rate_values: Sequence[Tensor] | Tensor) -> None:
+        """Add one call's rate values (N scalars, or (N,)) to the window that ``record_baseline`` turns
+        into L_i(0); non-finite and non-positive values are left out (a box loss of 0 on a batch
+        without foreground)."""
+        if isinstance(rate_values, Tensor):
+            values = rate_values.detach().to(self.baseline_sum)
+        else:
+            values = torch.stack([torch.as_tensor(v).detach().reshape(()) for v in rate_values])
+            values = values.to(self.baseline_sum)
+        if values.shape != (self.num_losses,):
+            raise ValueError(
+                f"GradNorm.observe: expected {self.num_losses} values, got {tuple(values.shape)}"
+            )
+        usable = torch.isfinite(values) & (values > 0)
+        self.baseline_sum += torch.where(usable, values, torch.zeros_like(values))
+        self.baseline_count += usable.to(self.baseline_count)
+
+    @torch.no_grad()
+    def record_baseline(self) -> None:
+        """L_i(0) = the mean of the observed values, for each loss not recorded yet that was observed
+        at least once (the others are recorded at their first usable ``balance`` call, as without a
+        window). Sum and count may have been summed over processes first (the caller's)."""
+        seen = torch.isnan(self.initial_losses) & (self.baseline_count > 0)
+        mean = self.baseline_sum / self.baseline_count.clamp_min(1)
+        self.initial_losses.copy_(torch.where(seen, mean.to(self.initial_losses), self.initial_losses))
+
+    def balance(
+        self,
+        losses: Sequence[Tensor] | Mapping[str, Tensor],
+        shared: Tensor,
+        rate_values: Sequence[Tensor] | None = None,
+    ) -> Tensor:
         """Set ``weights.grad`` to GradNorm's gradient; return the weighted total for one backward.
 
         Args:
@@ -107,6 +154,8 @@ class GradNorm(nn.Module):
                 order and must not change between calls), each part of a graph that runs through
                 ``shared`` and still has its buffers (no backward has run on it yet).
             shared: the shared tensor, e.g. ROI features (R, D); any shape. Must require grad.
+            rate_values: N scalars the rates r_i are computed from instead of the losses (detached;
+                the same kind of value ``observe`` saw); None: the losses.
 
         Returns:
             scalar sum_i w_i L_i with the weights detached, ready for one ``backward()`` without
@@ -124,8 +173,16 @@ class GradNorm(nn.Module):
                 "GradNorm.balance: `shared` must be a tensor that requires grad (the ROI features of a"
                 " training forward, computed with grad mode on); got one that does not"
             )
+        if rate_values is None:
+            rates_from = [loss.detach() for loss in values]
+        elif len(rate_values) != self.num_losses:
+            raise ValueError(
+                f"GradNorm.balance: expected {self.num_losses} rate values, got {len(rate_values)}"
+            )
+        else:
+            rates_from = [torch.as_tensor(v).detach() for v in rate_values]
         if not self.initialized:
-            self._record_initial_losses(values)
+            self._record_initial_losses(rates_from)
 
         # The norms: ||d(w_i L_i)/dS|| = |w_i| * ||dL_i/dS||, since w_i is not in L_i's graph. Taking
         # dL_i/dS without create_graph is exact for the weight gradient and keeps no double-backward graph
@@ -137,7 +194,7 @@ class GradNorm(nn.Module):
         unit_norms = torch.stack(
             [self._unit_norm(loss, shared).to(self.weights.dtype) for loss in values]
         ).to(self.weights.device)
-        loss_values = torch.stack([loss.detach().to(self.initial_losses) for loss in values])
+        loss_values = torch.stack([v.to(self.initial_losses) for v in rates_from])
         with torch.enable_grad():
             norms = self.weights.abs() * unit_norms  # G_i, differentiable w.r.t. w_i
             recorded = ~torch.isnan(self.initial_losses)

@@ -283,6 +283,9 @@ def _forward_backward(
             if combiner is None:
                 losses = model(**inputs)
                 total = sum(losses.values())
+            elif combiner.needs_loss_scales:  # GradNorm's rates read each loss's pseudo-label weight
+                losses, roi_features, scales = model(**inputs, return_features=True, return_loss_scales=True)
+                total = combiner.combine(losses, roi_features, scales)
             else:  # GradNorm measures at the ROI features, before the one backward
                 losses, roi_features = model(**inputs, return_features=True)
                 total = combiner.combine(losses, roi_features)

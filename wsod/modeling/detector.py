@@ -174,20 +174,34 @@ class WeaklySupervisedDetector(nn.Module):
         original_sizes: Sequence[ImageSize] | None = None,
         targets: Sequence[Targets] | None = None,
         return_features: bool = False,
-    ) -> dict[str, Tensor] | tuple[dict[str, Tensor], Tensor] | list[dict[str, Tensor]]:
+        return_loss_scales: bool = False,
+    ) -> (
+        dict[str, Tensor]
+        | tuple[dict[str, Tensor], Tensor]
+        | tuple[dict[str, Tensor], Tensor, dict[str, Tensor]]
+        | list[dict[str, Tensor]]
+    ):
         """Losses in training mode, detections in eval mode (see the module docstring).
 
         Training needs ``targets`` or ``image_labels`` (both: they must agree). ``return_features``
         (training): also return the (R, D) ROI features the losses were computed from, the boundary
         between the neck and the heads where GradNorm measures gradient norms (``wsod.gradnorm``);
-        through DistributedDataParallel too, which only sees ``forward``.
+        through DistributedDataParallel too, which only sees ``forward``. ``return_loss_scales``
+        (with ``return_features``): a third element, each loss's detached pseudo-label weight scale
+        (``RefinementMethod.loss_scales``; 1 for ``loss_mil`` and for losses the method gives none).
         """
         self._check_inputs(images, proposals)
         if self.training:  # checked before the base network runs
             image_labels, targets = self._training_targets(len(proposals), image_labels, targets)
         roi_features = self.roi_features(images, proposals)
         if self.training:
-            losses = self._full_precision_losses(roi_features, proposals, image_labels, targets)
+            scales: dict[str, Tensor] | None = {} if return_loss_scales else None
+            losses = self._full_precision_losses(roi_features, proposals, image_labels, targets, scales)
+            if return_loss_scales:
+                if not return_features:
+                    raise ValueError("return_loss_scales needs return_features=True")
+                one = losses["loss_mil"].new_ones(())
+                return losses, roi_features, {name: scales.get(name, one) for name in losses}
             return (losses, roi_features) if return_features else losses
         padded = (images.shape[-2], images.shape[-1])
         image_sizes = image_sizes or [padded] * len(proposals)
@@ -275,9 +289,10 @@ class WeaklySupervisedDetector(nn.Module):
         proposals: Sequence[Tensor],
         image_labels: Tensor,
         targets: Sequence[Targets],
+        scales: dict[str, Tensor] | None = None,
     ) -> dict[str, Tensor]:
         with _autocast_off(roi_features):
-            return self._losses(_full_precision(roi_features), proposals, image_labels, targets)
+            return self._losses(_full_precision(roi_features), proposals, image_labels, targets, scales)
 
     def _losses(
         self,
@@ -285,7 +300,9 @@ class WeaklySupervisedDetector(nn.Module):
         proposals: Sequence[Tensor],
         image_labels: Tensor,
         targets: Sequence[Targets],
+        scales: dict[str, Tensor] | None = None,
     ) -> dict[str, Tensor]:
+        """The losses; ``scales``, when given, is filled with the method's ``loss_scales``."""
         counts = [len(p) for p in proposals]
         teacher_scores = self.mil_head(roi_features, counts)  # (R, C+1)
         losses = {"loss_mil": mil_loss(teacher_scores, counts, image_labels)}
@@ -293,6 +310,8 @@ class WeaklySupervisedDetector(nn.Module):
             roi_features, proposals, teacher_scores, targets
         ):
             losses.update(self.method.losses(k, logits, deltas, records, proposals))
+            if scales is not None:
+                scales.update(self.method.loss_scales(k, records))
         if tuple(losses) != self.loss_names:  # what GradNorm and the logs count must be what is returned
             raise RuntimeError(
                 f"{type(self.method).__name__}.losses returned {list(losses)[1:]} but its loss_names"
@@ -506,6 +525,7 @@ def detector_from_backbone(
     num_students: int = 3,
     dropblock: bool = False,
     dropblock_hidden: int | None = None,
+    dropblock_block_size: int = 3,
     **detector_options,
 ) -> WeaklySupervisedDetector:
     """The detector on a built ``Backbone``: ROI pooler at ``1 / backbone.stride`` (``pooler`` and
@@ -513,7 +533,8 @@ def detector_from_backbone(
     backbone's neck under sequential backprop (``RoIFeatureHead``; ``chunk_size="auto"`` with
     ``memory_budget_gb``, see ``wsod.modeling.chunking``), the MIL teacher and ``num_students`` students
     of width ``backbone.feature_dim``. ``dropblock``: Concrete DropBlock on the pooled features
-    (``ConcreteDropBlock(backbone.channels, hidden_channels=dropblock_hidden)``), trained by the
+    (``ConcreteDropBlock(backbone.channels, block_size=dropblock_block_size,
+    hidden_channels=dropblock_hidden)``), trained by the
     adversarial step of ``wsod.engine.adversarial``. ``detector_options`` go to
     ``WeaklySupervisedDetector`` (``method`` or ``labeler``, post-processing)."""
     method = _as_method(
@@ -521,7 +542,11 @@ def detector_from_backbone(
         detector_options.pop("labeler", None),
         detector_options.pop("first_student_loss_weight", None),
     )
-    block = ConcreteDropBlock(backbone.channels, hidden_channels=dropblock_hidden) if dropblock else None
+    block = None
+    if dropblock:
+        block = ConcreteDropBlock(
+            backbone.channels, block_size=dropblock_block_size, hidden_channels=dropblock_hidden
+        )
     roi_pooler = build_roi_pooler(
         backbone.pooler if pooler is None else pooler,
         output_size=backbone.roi_size if roi_size is None else roi_size,
@@ -562,6 +587,7 @@ def build_detector(
     num_students: int = 3,
     dropblock: bool = False,
     dropblock_hidden: int | None = None,
+    dropblock_block_size: int = 3,
     method: RefinementMethod | None = None,
     labeler: PseudoLabeler | None = None,
     first_student_loss_weight: float | None = None,
@@ -578,7 +604,8 @@ def build_detector(
     ``backbone`` is a name of ``BACKBONES`` and ``backbone_options`` its builder's options (ResNet:
     ``width``, ``weights``, ``norm``, ``neck_norm``, ``freeze_at``; VGG16: ``weights``, ``freeze_at``);
     see ``detector_from_backbone`` for the ROI head (``chunk_size``, ``test_chunk_size``, ``pooler``,
-    ``roi_size``, ``fuse_pooling``, ``memory_budget_gb``, ``dropblock``, ``dropblock_hidden``) and
+    ``roi_size``, ``fuse_pooling``, ``memory_budget_gb``, ``dropblock``, ``dropblock_hidden``,
+    ``dropblock_block_size``) and
     ``WeaklySupervisedDetector`` for the rest.
     """
     return detector_from_backbone(
@@ -593,6 +620,7 @@ def build_detector(
         num_students=num_students,
         dropblock=dropblock,
         dropblock_hidden=dropblock_hidden,
+        dropblock_block_size=dropblock_block_size,
         method=method,
         labeler=labeler,
         first_student_loss_weight=first_student_loss_weight,

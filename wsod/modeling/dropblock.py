@@ -83,6 +83,21 @@ class ConcreteDropBlock(nn.Module):
             nn.GroupNorm(2, 2),  # each score map normalised over its ROI's locations
         )
         self.shortcut = nn.Conv2d(in_channels, 2, 1, bias=False)
+        self.reset_parameters()
+
+    def reset_parameters(self) -> None:
+        """The reference's initialisation (wetectron ``cdb.py``): Kaiming-normal weights, fan_out mode,
+        ReLU gain (std sqrt(2 / (out_channels * k * k))) for the three convolutions; the norms' scales 1
+        and shifts 0. With PyTorch's default (Kaiming-uniform, fan_in, a = sqrt(5)) the shortcut's
+        1 x 1 weights have std 1 / sqrt(3 C), the drop scores start near constant across locations and
+        the masks near plain random DropBlock; with these (shortcut std 1) they start far from 0 and
+        follow the features, as the reference's."""
+        for module in self.modules():
+            if isinstance(module, nn.Conv2d):
+                nn.init.kaiming_normal_(module.weight, mode="fan_out", nonlinearity="relu")
+            elif isinstance(module, nn.GroupNorm):
+                nn.init.ones_(module.weight)
+                nn.init.zeros_(module.bias)
 
     def extra_repr(self) -> str:
         return f"drop_rate={self.drop_rate}, block_size={self.block_size}, temperature={self.temperature}"

@@ -155,6 +155,13 @@ class RefinementMethod(ABC):
         (R, 4 (C+1); None when ``box_regression`` is False) of the whole batch (images concatenated in
         order, R = sum R_i); records and proposals (R_i, 4) one per image, in the same order."""
 
+    def loss_scales(self, student: int, records: Sequence[PseudoLabels]) -> dict[str, Tensor]:
+        """How much pseudo-label weight each of the student's losses carries on this batch: a detached
+        scalar per loss name (its per-ROI weights averaged as the loss averages its terms), so that
+        ``loss / scale`` follows the student's own fit, not its teacher's confidence. GradNorm's rates
+        read it (``solver.gradnorm.normalize_rates``). Default: none (every scale 1)."""
+        return {}
+
 
 def check_source_scores(proposals: Tensor, scores: Tensor, image_labels: Tensor) -> None:
     """A labeller's inputs agree: scores (R, C) for proposals (R, 4) and image_labels (C,)."""

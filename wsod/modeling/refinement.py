@@ -387,6 +387,17 @@ class LabelerMethod(RefinementMethod):
         factor = self.first_student_loss_weight if student == 1 else 1.0
         return {f"loss_ref_cls_{student}": factor * cls_loss, f"loss_ref_box_{student}": factor * box_loss}
 
+    def loss_scales(self, student: int, records: Sequence[PseudoLabels]) -> dict[str, Tensor]:
+        """The mean pseudo-label weight under each loss, with the loss's own averaging (over an image's
+        ROIs, then the images): all ROIs for ``loss_ref_cls_k``, the foreground ROIs' weights (each ROI
+        still counted against its image's R_i) for ``loss_ref_box_k``. MIST weighs ROIs by its
+        teacher's scores, so an untrained teacher gives tiny weights and a tiny loss: divided by
+        these, the loss measures the student's fit (docs/METHOD.md §7)."""
+        with torch.no_grad():
+            cls = sum(r.weights.sum() / len(r) for r in records) / len(records)
+            box = sum(r.weights[r.labels > 0].sum() / len(r) for r in records) / len(records)
+        return {f"loss_ref_cls_{student}": cls.detach(), f"loss_ref_box_{student}": box.detach()}
+
 
 class MISTMethod(LabelerMethod):
     """MIST (Ren et al., CVPR 2020): ``MISTLabeler(p, tau, suppress, fg_iou)`` with the students' weighted
