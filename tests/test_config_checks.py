@@ -107,6 +107,9 @@ def test_the_checks_import_no_builder_or_engine():
         ["model.chunk_size=auto", "device=cuda"],  # CUDA finds its own budget
         ["model.chunk_size=null"],
         ["model.chunk_size=64"],
+        ["solver.gradnorm.enabled=true", "solver.gradnorm.min_weight=null"],  # GradNorm as published
+        ["solver.gradnorm.balance=all", "solver.gradnorm.start_iter=0", "solver.gradnorm.window=0"],
+        ["model.dropblock=true", "model.dropblock_block_size=5", "solver.dropblock.single_pass=true"],
     ],
 )
 def test_auto_and_the_budget_are_accepted(overrides):
@@ -121,6 +124,12 @@ def test_auto_and_the_budget_are_accepted(overrides):
         (["model.chunk_size=auto", "model.memory_budget_gb=lots"], "model.memory_budget_gb='lots'"),
         (["model.memory_budget_gb=4"], "model.memory_budget_gb=4: used only with model.chunk_size=auto"),
         (["model.chunk_size=auto", "device=cpu"], "model.chunk_size=auto on device='cpu' (no CUDA) needs"),
+        (
+            ["solver.gradnorm.balance=teacher"],
+            "solver.gradnorm.balance='teacher': expected one of all, students",
+        ),
+        (["solver.gradnorm.min_weight=2"], "solver.gradnorm.min_weight=2: expected null (no floor"),
+        (["model.dropblock_block_size=4"], "model.dropblock_block_size=4: expected an odd integer >= 1"),
     ],
 )
 def test_impossible_auto_settings_name_the_key(overrides, message):

@@ -87,15 +87,25 @@ def _final_weights(run_dir: Path) -> dict[str, torch.Tensor]:
     return torch.load(run_dir / "model_final.pth", weights_only=False)["model"]
 
 
-@pytest.mark.parametrize("variant", ["plain", "dropblock+gradnorm"])
+# The third variant (about 20 s) is slow: tests/engine/test_balancing.py resumes inside the window too.
+@pytest.mark.parametrize(
+    "variant",
+    ["plain", "dropblock+gradnorm", pytest.param("single_pass+gradnorm_window", marks=pytest.mark.slow)],
+)
 def test_resumed_run_reaches_the_same_weights(tiny_toy_root, tmp_path, caplog, monkeypatch, variant):
     # With DropBlock the adversary's optimizer state is restored too, and its samples come from the
-    # restored RNG stream; with GradNorm its weights, recorded initial losses and Adam state.
+    # restored RNG stream; with GradNorm its weights, recorded initial losses, Adam state and schedule
+    # (the resume at iteration 2 falls after its start in the second variant, inside its baseline
+    # window in the third).
     dropblock = variant != "plain"
     extra = {
         "data.test.batch_size": 6, "random_baseline": "false", "model.dropblock": str(dropblock).lower(),
-        "solver.gradnorm.enabled": str(dropblock).lower(),
+        "solver.gradnorm.enabled": str(dropblock).lower(), "solver.gradnorm.start_iter": 1,
+        "solver.gradnorm.window": 1,
     }  # fmt: skip
+    if variant == "single_pass+gradnorm_window":
+        extra.update({"solver.dropblock.single_pass": "true", "solver.gradnorm.start_iter": 3,
+                      "solver.gradnorm.window": 2})  # fmt: skip
     straight = tmp_path / "straight"
     train_from_config(_config(tiny_overrides(tiny_toy_root, straight, **extra)))
 

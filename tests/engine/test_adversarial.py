@@ -158,3 +158,70 @@ def test_accumulated_batches_give_the_mean_of_their_gradients():
         steps.append([p.detach() - b for p, b in zip(model.dropblock.parameters(), before, strict=True)])
     for alone_0, alone_1, together in zip(*steps, strict=True):
         torch.testing.assert_close(together, (alone_0 + alone_1) / 2, rtol=1e-4, atol=2e-7)
+
+
+def test_single_pass_gives_the_scorer_the_negated_scaled_gradient_of_the_first_forwards_loss():
+    # float64, one step: the single-pass update from the detector's own backward equals the two-pass
+    # update whose forward draws the same masks (the same RNG state) on the same, not yet updated model.
+    steps = {}
+    for mode in ("reference", "single", "two"):
+        model = _detector().double()
+        params = list(model.dropblock.parameters())
+        before = [p.detach().clone() for p in params]
+        inputs = _inputs()
+        inputs["images"] = inputs["images"].double()
+        inputs["proposals"] = [boxes.double() for boxes in inputs["proposals"]]
+        torch.manual_seed(7)
+        if mode == "reference":  # plain autograd of the detector's total loss
+            loss = sum(model(**inputs).values())
+            grads = torch.autograd.grad(loss, params, allow_unused=True)
+            steps[mode] = [
+                0.01 * (torch.zeros_like(p) if g is None else g) for p, g in zip(params, grads, strict=True)
+            ]
+            continue
+        optimizer = build_optimizer(
+            model.dropblock, name="sgd", lr=1.0, momentum=0.0, weight_decay=0.0, bias_lr_factor=1.0
+        )
+        adversary = DropBlockAdversary(
+            model,
+            optimizer,
+            build_scheduler(optimizer, milestones=[]),
+            weight=0.01,
+            single_pass=mode == "single",
+        )
+        assert adversary.needs_inputs == (mode == "two")
+        if mode == "single":
+            sum(model(**inputs).values()).backward()  # the training loop's backward of the detector's loss
+            assert adversary.after_step([]) == {}
+        else:
+            assert "adversarial_loss" in adversary.after_step([inputs])
+        steps[mode] = [p.detach() - b for p, b in zip(params, before, strict=True)]
+        assert all(p.grad is None for p in params)  # nothing left for the next step
+    assert any(s.abs().max() > 0 for s in steps["reference"])
+    for single, two, reference in zip(steps["single"], steps["two"], steps["reference"], strict=True):
+        torch.testing.assert_close(single, reference, rtol=1e-10, atol=1e-15)  # lr 1: +0.01 x dL/dtheta
+        torch.testing.assert_close(two, reference, rtol=1e-10, atol=1e-15)
+
+
+def test_single_pass_drops_the_detectors_gradients_on_a_skipped_step_and_refuses_fp16():
+    model = _detector()
+    optimizer = build_optimizer(model.dropblock, name="sgd", lr=1.0, momentum=0.0, weight_decay=0.0)
+    adversary = DropBlockAdversary(
+        model, optimizer, build_scheduler(optimizer, milestones=[]), single_pass=True
+    )
+    sum(model(**_inputs()).values()).backward()
+    params = list(model.dropblock.parameters())
+    before = [p.detach().clone() for p in params]
+    adversary.skip()
+    assert all(p.grad is None for p in params)
+    assert all(torch.equal(p, b) for p, b in zip(params, before, strict=True))
+    with torch.no_grad():
+        params[0].grad = torch.full_like(params[0], float("nan"))
+    adversary.after_step([])
+    assert adversary.skipped_steps == 1 and all(
+        torch.equal(p, b) for p, b in zip(params, before, strict=True)
+    )
+    with pytest.raises(ValueError, match="fp16"):
+        DropBlockAdversary(
+            model, optimizer, build_scheduler(optimizer, milestones=[]), single_pass=True, amp="fp16"
+        )

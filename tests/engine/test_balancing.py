@@ -3,9 +3,11 @@ neck run no more often than without it, and its state carried through checkpoint
 
 from __future__ import annotations
 
+import copy
 import sys
 from pathlib import Path
 
+import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
@@ -81,3 +83,100 @@ def test_the_loss_weights_stay_identical_on_every_process(tmp_path):
     mp.spawn(_worker, args=(2, str(tmp_path)), nprocs=2, join=True)
     first, second = (torch.load(tmp_path / f"weights_{rank}.pt") for rank in range(2))
     assert torch.equal(first, second) and not torch.equal(first, torch.ones(NUM_LOSSES))
+
+
+COUNTS = ((13, 6), (7, 9), (8, 8), (5, 10), (9, 7), (6, 12))
+
+
+def _values(losses, names=None):
+    return torch.stack([v.detach() for n, v in losses.items() if names is None or n in names])
+
+
+def test_before_start_iter_the_weights_stay_at_1_and_the_window_mean_becomes_the_baseline():
+    model = _detector()
+    balancer = LossBalancer(NUM_LOSSES, start_iter=3, window=2, balance="all")
+    window = []
+    for iteration, counts in enumerate(COUNTS[:4]):
+        losses, features = _losses(model, counts)
+        total = balancer.weighted_total(losses, features)
+        if iteration < 3:
+            torch.testing.assert_close(total, sum(losses.values()), rtol=0, atol=0)  # a plain sum
+            assert balancer._grads == [] and not balancer.gradnorm.initialized
+            if iteration >= 1:  # the window: steps 1 and 2
+                window.append(_values(losses))
+        else:
+            expected = torch.stack(window).double().mean(dim=0).float()
+            torch.testing.assert_close(balancer.gradnorm.initial_losses, expected, rtol=1e-6, atol=0)
+            assert len(balancer._grads) == 1
+        row = balancer.after_step([])
+        assert (set(row.values()) == {1.0}) == (iteration < 3), row  # only weights before the start
+        assert any(k.startswith("gradnorm_rate_") for k in row) == (iteration == 3)
+
+
+def test_balance_students_keeps_the_mil_loss_at_weight_1():
+    model = _detector()
+    balancer = LossBalancer(NUM_LOSSES, lr=0.5, balance="students")
+    assert balancer.gradnorm.num_losses == NUM_LOSSES - 1
+    for counts in COUNTS[:3]:
+        losses, features = _losses(model, counts)
+        total = balancer.weighted_total(losses, features)
+        students = [v for n, v in losses.items() if n != "loss_mil"]
+        weights = balancer.gradnorm.weights.detach()
+        expected = losses["loss_mil"] + sum(w * v for w, v in zip(weights, students, strict=True))
+        torch.testing.assert_close(total, expected)
+        row = balancer.after_step([])
+    assert row["weight_loss_mil"] == 1.0 and "gradnorm_norm_loss_mil" not in row
+    student_weights = [v for k, v in row.items() if k.startswith("weight_loss_ref")]
+    assert sum(student_weights) == pytest.approx(NUM_LOSSES - 1, rel=1e-5) and len(set(student_weights)) > 1
+    with pytest.raises(ValueError, match="no loss to balance"):
+        LossBalancer(1, balance="students")
+
+
+def test_normalized_rates_read_each_loss_over_its_pseudo_label_weight():
+    model = _detector()
+    balancer = LossBalancer(NUM_LOSSES, normalize_rates=True, balance="all")
+    assert balancer.needs_loss_scales
+    rate_values = []
+    for counts in COUNTS[:2]:
+        losses, features, scales = model(
+            *_batch(counts=counts), return_features=True, return_loss_scales=True
+        )
+        assert list(scales) == list(losses) and scales["loss_mil"].item() == 1.0
+        balancer.weighted_total(losses, features, scales)
+        rate_values.append(torch.stack([losses[n].detach() / scales[n] for n in losses]))
+        balancer.after_step([])
+    torch.testing.assert_close(balancer.gradnorm.initial_losses, rate_values[0])
+    relative = rate_values[1] / rate_values[0]
+    torch.testing.assert_close(balancer.gradnorm.last_ratios, relative / relative.mean())
+    with pytest.raises(ValueError, match="scales"):
+        balancer.weighted_total(*_losses(model))
+
+
+def test_the_weights_learning_rate_follows_the_milestones_and_resume_restores_every_state():
+    def make():
+        return LossBalancer(NUM_LOSSES, lr=0.1, start_iter=2, window=2, milestones=[3], gamma=0.1)
+
+    def run(balancer, steps, model, log):
+        for counts in steps:
+            losses, features = _losses(model, counts)
+            balancer.weighted_total(losses, features)
+            log.append((balancer.lr, balancer.after_step([])))
+
+    model = _detector()
+    straight, rows = make(), []
+    run(straight, COUNTS[:5], model, rows)
+    assert [lr for lr, _ in rows] == pytest.approx([0.1, 0.1, 0.1, 0.01, 0.01])
+    # Stopped inside the window (after 1 step) and after the start (after 3): the resumed balancer goes
+    # on exactly as the uninterrupted one.
+    for stop in (1, 3):
+        first = make()
+        run(first, COUNTS[:stop], model, [])
+        state = copy.deepcopy(first.state_dict())
+        resumed, resumed_rows = make(), []
+        resumed.load_state_dict(state, iteration=stop)
+        for name, value in first.gradnorm.state_dict().items():
+            torch.testing.assert_close(
+                resumed.gradnorm.state_dict()[name], value, rtol=0, atol=0, equal_nan=True
+            )
+        run(resumed, COUNTS[stop:5], model, resumed_rows)
+        assert resumed_rows == rows[stop:]

@@ -204,3 +204,25 @@ def test_fused_pooling_dropblock_and_neck_match_plain_autograd(chunk_size):
     ref = _run(fused, _chunked(fused, chunk_size, shared=True), [features, rois])
     wrapper = SequentialBackprop(fused, chunk_size, shared_inputs=(0,))
     _assert_same(_run(fused, wrapper, [features, rois]), ref)  # grads[0]: the feature-map gradient
+
+
+def test_the_scorer_starts_as_the_references_kaiming_normal_fan_out():
+    # wetectron cdb.py: kaiming_normal_(mode="fan_out", nonlinearity="relu") on the three convolutions,
+    # so std = sqrt(2 / (out_channels * k * k)); norms at scale 1, shift 0.
+    torch.manual_seed(0)
+    block = ConcreteDropBlock(256, hidden_channels=64)
+    conv1, norm1, _, conv2, norm2 = block.scorer
+    for conv, fan_out in ((conv1, 64 * 9), (conv2, 2 * 9), (block.shortcut, 2)):
+        weight = conv.weight.detach()
+        expected = (2 / fan_out) ** 0.5
+        tolerance = 4 * expected / (2 * weight.numel()) ** 0.5  # 4 standard errors of a sample std
+        assert abs(weight.std().item() - expected) < tolerance, (tuple(weight.shape), weight.std().item())
+        assert abs(weight.mean().item()) < 4 * expected / weight.numel() ** 0.5
+    for norm in (norm1, norm2):
+        assert torch.equal(norm.weight, torch.ones_like(norm.weight))
+        assert torch.equal(norm.bias, torch.zeros_like(norm.bias))
+    # PyTorch's default would give the 1x1 shortcut std 1 / sqrt(3 * 256) = 0.036, not 1: the drop
+    # scores would start nearly flat over a ROI's locations.
+    x = torch.randn(8, 256, 14, 14)
+    scores = block._drop_score(x)  # (8, 1, 14, 14)
+    assert scores.std(dim=(2, 3)).min() > 0.5

@@ -9,9 +9,11 @@ import torch
 from torchvision.ops import box_iou
 
 from wsod.modeling.box_coder import decode_boxes, encode_boxes
+from wsod.modeling.method import PseudoLabels
 from wsod.modeling.mil import MILHead, mil_loss
 from wsod.modeling.refinement import (
     MISTLabeler,
+    MISTMethod,
     OICRLabeler,
     mist_pseudo_labels,
     oicr_pseudo_labels,
@@ -396,3 +398,22 @@ def test_binary_cross_entropy_equals_torchs_and_lets_nan_through(dtype):
     assert binary_cross_entropy(scores, targets).isnan()
     head_scores = torch.full((4, 3), float("nan"), dtype=dtype)
     assert mil_loss(head_scores, [4], torch.ones(1, 2, dtype=dtype)).isnan()
+
+
+def test_loss_scales_are_the_mean_pseudo_label_weight_each_loss_averages():
+    # Naive: per image the sum of its ROIs' weights (all ROIs for cls, foreground for box) over its R_i,
+    # then the mean over images; what refinement_losses would give with every CE and smooth L1 at 1.
+    torch.manual_seed(0)
+    records = []
+    for num_rois in (5, 8):
+        labels = torch.randint(0, 3, (num_rois,))
+        records.append(PseudoLabels(labels, torch.rand(num_rois), torch.zeros(num_rois, 4)))
+    scales = MISTMethod().loss_scales(2, records)
+    cls = box = 0.0
+    for r in records:
+        rois = len(r.labels)
+        cls += sum(float(r.weights[i]) for i in range(rois)) / rois / len(records)
+        box += sum(float(r.weights[i]) for i in range(rois) if r.labels[i] > 0) / rois / len(records)
+    assert set(scales) == {"loss_ref_cls_2", "loss_ref_box_2"}
+    assert scales["loss_ref_cls_2"].item() == pytest.approx(cls, rel=1e-6)
+    assert scales["loss_ref_box_2"].item() == pytest.approx(box, rel=1e-6)

@@ -26,6 +26,7 @@ Four settings beyond the published algorithm (``solver.gradnorm``; docs/METHOD.m
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -210,7 +211,13 @@ class LossBalancer(Companion):
 
     def _advance(self) -> None:
         self.iteration += 1
-        self.scheduler.step()
+        with warnings.catch_warnings():
+            # Before start_iter the weights' optimizer has not stepped yet; the schedule counts steps
+            # all the same (torch warns about exactly that order).
+            warnings.filterwarnings(
+                "ignore", message="Detected call of `lr_scheduler.step", category=UserWarning
+            )
+            self.scheduler.step()
 
     def _step_stats(self) -> dict[str, float]:
         if not self._stats:
