@@ -69,12 +69,15 @@ def _worker(rank: int, world: int, folder: str) -> None:
     dist.init_process_group("gloo", init_method=f"file://{folder}/store", rank=rank, world_size=world)
     try:
         model = _detector()
-        balancer = LossBalancer(NUM_LOSSES, lr=0.1)
+        # One step inside the baseline window (its values averaged over the processes), then one balanced.
+        balancer = LossBalancer(NUM_LOSSES, lr=0.1, start_iter=1, window=1)
         counts, labels = ((9, 5), ((1, 0, 1), (0, 1, 0))) if rank == 0 else ((6, 11), ((0, 1, 1), (1, 0, 0)))
-        losses, features = _losses(model, counts, labels)
-        balancer.weighted_total(losses, features)
-        balancer.step()
+        for _ in range(2):
+            losses, features = _losses(model, counts, labels)
+            balancer.weighted_total(losses, features)
+            balancer.after_step([])
         torch.save(balancer.gradnorm.weights.detach(), f"{folder}/weights_{rank}.pt")
+        torch.save(balancer.gradnorm.initial_losses, f"{folder}/baseline_{rank}.pt")
     finally:
         dist.destroy_process_group()
 
@@ -83,6 +86,8 @@ def test_the_loss_weights_stay_identical_on_every_process(tmp_path):
     mp.spawn(_worker, args=(2, str(tmp_path)), nprocs=2, join=True)
     first, second = (torch.load(tmp_path / f"weights_{rank}.pt") for rank in range(2))
     assert torch.equal(first, second) and not torch.equal(first, torch.ones(NUM_LOSSES))
+    first, second = (torch.load(tmp_path / f"baseline_{rank}.pt") for rank in range(2))
+    assert torch.equal(first, second) and bool(torch.isfinite(first).all())
 
 
 COUNTS = ((13, 6), (7, 9), (8, 8), (5, 10), (9, 7), (6, 12))

@@ -131,7 +131,9 @@ class LossBalancer(Companion):
         rate_values = self._rate_values(balanced, loss_scales)
         if not self.balancing:
             if self.iteration >= self.start_iter - self.window:
-                self.gradnorm.observe(rate_values)
+                # The mean over processes (every process observes the same values, so a checkpoint,
+                # written by the first, holds the window of all of them: a resume inside it is exact).
+                self.gradnorm.observe(all_reduce_mean(torch.stack(rate_values).float()))
             return sum(losses.values(), losses[names[0]].new_zeros(()))
         if self.start_iter > 0 and not self.baseline_recorded:
             self._record_baseline()
@@ -167,12 +169,8 @@ class LossBalancer(Companion):
         return [loss.detach() / loss_scales[name].detach().to(loss.dtype) for name, loss in balanced.items()]
 
     def _record_baseline(self) -> None:
-        """L_i(0) from the window, its sums and counts first summed over processes (all of them reach
-        the start at the same step), so that every process computes its rates against the same."""
-        gn = self.gradnorm
-        gn.baseline_sum.copy_(all_reduce_mean(gn.baseline_sum))
-        gn.baseline_count.copy_(all_reduce_mean(gn.baseline_count))
-        gn.record_baseline()
+        """L_i(0) from the window (the same on every process: it observed process means)."""
+        self.gradnorm.record_baseline()
         self.baseline_recorded = True
 
     def step(self) -> None:
