@@ -366,3 +366,26 @@ def test_the_roi_features_are_not_held_through_the_backward(combined):
     companions = [_Combiner()] if combined else []
     _forward_backward(model, itertools.repeat(batch), torch.device("cpu"), 1, None, scaler, companions)
     assert AliveProbe.alive == [False] and model.weight.grad is not None
+
+
+def test_seconds_per_step_divide_by_the_steps_of_each_window(tmp_path, monkeypatch):
+    # A clock that advances 1 s per forward: every row must say 1 s per step, the last window (5 steps
+    # with log_period 3: steps 4-5) included.
+    import wsod.engine.train as train_module
+
+    clock = SimpleNamespace(now=0.0)
+    monkeypatch.setattr(train_module.time, "perf_counter", lambda: clock.now)
+    model, optimizer, scheduler = _setup()
+    forward = model.forward
+    model.forward = lambda **inputs: (setattr(clock, "now", clock.now + 1.0), forward(**inputs))[1]
+    checkpointer = Checkpointer(tmp_path, period=1000)
+    with RunLog(tmp_path) as run_log:
+        train(
+            model, optimizer, scheduler, _batches, max_iter=5, device=torch.device("cpu"),
+            checkpointer=checkpointer, run_log=run_log, progress=False, log_period=3,
+        )  # fmt: skip
+    rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert [(r["iteration"], r["seconds_per_iter"]) for r in rows if r["kind"] == "train"] == [
+        (3, 1.0),
+        (5, 1.0),
+    ]

@@ -128,7 +128,7 @@ def train(
     model.train()
     consecutive_nonfinite, values = 0, {}
     with _progress_bar(max_iter, state.iteration, shown=main and progress) as bar:
-        step_start = time.perf_counter()
+        step_start, logged_at = time.perf_counter(), state.iteration
         while state.iteration < max_iter:
             buffers = _copy_buffers(model)  # restored if the step is skipped
             losses, inputs = _forward_backward(model, batches, device, accumulation, amp, scaler, companions)
@@ -161,9 +161,10 @@ def train(
             bar.update(1)
 
             if main and (state.iteration % log_period == 0 or state.iteration == max_iter):
-                seconds = (time.perf_counter() - step_start) / log_period
+                # Per step of this window: the last one (at max_iter) may be shorter than log_period.
+                seconds = (time.perf_counter() - step_start) / (state.iteration - logged_at)
                 _log_step(run_log, bar, state.iteration, max_iter, values, lr, seconds, device)
-                step_start = time.perf_counter()
+                step_start, logged_at = time.perf_counter(), state.iteration
             if main and applied and preview is not None and state.iteration % preview.period == 0:
                 started = time.perf_counter()
                 with autocast(device, amp):  # the features the step's own pseudo-labels came from
