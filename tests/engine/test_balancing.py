@@ -155,6 +155,12 @@ def test_normalized_rates_read_each_loss_over_its_pseudo_label_weight():
     torch.testing.assert_close(balancer.gradnorm.last_ratios, relative / relative.mean())
     with pytest.raises(ValueError, match="scales"):
         balancer.weighted_total(*_losses(model))
+    # A box loss without foreground (0, its scale 0) reads as rate 0, not NaN: the weights stay finite.
+    losses, features, scales = model(*_batch(counts=COUNTS[2]), return_features=True, return_loss_scales=True)
+    losses["loss_ref_box_2"], scales["loss_ref_box_2"] = losses["loss_ref_box_2"] * 0, torch.tensor(0.0)
+    balancer.weighted_total(losses, features, scales)
+    balancer.after_step([])
+    assert balancer.gradnorm.last_ratios[4] == 0 and bool(torch.isfinite(balancer.gradnorm.weights).all())
 
 
 def test_the_weights_learning_rate_follows_the_milestones_and_resume_restores_every_state():

@@ -164,9 +164,15 @@ class LossBalancer(Companion):
             raise ValueError(
                 "LossBalancer: normalize_rates needs the losses' scales (return_loss_scales=True)"
             )
-        # A scale of 0 (no pseudo-label weight at all: no foreground for a box loss) makes the rate
-        # value non-finite or 0, which GradNorm leaves out of L_i(0) and reads as rate 0.
-        return [loss.detach() / loss_scales[name].detach().to(loss.dtype) for name, loss in balanced.items()]
+        values = []
+        for name, loss in balanced.items():
+            scale = loss_scales[name].detach().to(loss.dtype)
+            # A scale of 0 (no pseudo-label weight: a box loss on a batch without foreground ROIs) comes
+            # with a loss of 0: the value 0, as without the normalisation (left out of L_i(0), rate 0).
+            values.append(
+                torch.where(scale > 0, loss.detach() / scale.clamp_min(1e-30), torch.zeros_like(scale))
+            )
+        return values
 
     def _record_baseline(self) -> None:
         """L_i(0) from the window (the same on every process: it observed process means)."""
