@@ -191,3 +191,9 @@ def test_the_weights_learning_rate_follows_the_milestones_and_resume_restores_ev
             )
         run(resumed, COUNTS[stop:5], model, resumed_rows)
         assert resumed_rows == rows[stop:]
+
+
+def test_loss_scales_come_only_with_the_features():
+    model = _detector()
+    with pytest.raises(ValueError, match="return_loss_scales needs return_features"):
+        model(*_batch(counts=COUNTS[0]), return_loss_scales=True)
