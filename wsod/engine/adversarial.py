@@ -137,7 +137,8 @@ class DropBlockAdversary(Companion):
         DropBlock parameters (a mean over the step's batches, as the detector's own), averaged over
         processes, negated and scaled by ``weight``, one optimizer step. Returns whether it was applied
         (not when a gradient is not finite: counted in ``skipped_steps``)."""
-        grads = [all_reduce_mean(p.grad) if p.grad is not None else torch.zeros_like(p) for p in self.params]
+        # Every process reduces every parameter (a missing gradient as zeros), so the collectives match.
+        grads = [all_reduce_mean(p.grad if p.grad is not None else torch.zeros_like(p)) for p in self.params]
         self.optimizer.zero_grad(set_to_none=True)
         if not all(bool(torch.isfinite(g).all()) for g in grads):
             self.skipped_steps += 1
