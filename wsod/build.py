@@ -369,17 +369,19 @@ def build_balancer(
     settings = solver_cfg.gradnorm
     if not settings.enabled:
         return None
+    # A solver node written before the four settings existed (a saved config) means GradNorm as it was.
+    follow = settings.get("follow_milestones", False)
     balancer = LossBalancer(
         len(model.loss_names),
         alpha=settings.alpha,
         lr=settings.lr,
         min_weight=settings.min_weight,
-        start_iter=settings.start_iter,
-        window=settings.window,
-        balance=settings.balance,
-        normalize_rates=settings.normalize_rates,
-        milestones=list(solver_cfg.milestones) if settings.follow_milestones else [],
-        gamma=solver_cfg.gamma,
+        start_iter=settings.get("start_iter", 0),
+        window=settings.get("window", 0),
+        balance=settings.get("balance", "all"),
+        normalize_rates=settings.get("normalize_rates", False),
+        milestones=list(solver_cfg.get("milestones", [])) if follow else [],
+        gamma=solver_cfg.get("gamma", 0.1),
     )
     return balancer.to(device)
 

@@ -515,6 +515,12 @@ def _fill_added_keys(old_flat: dict[str, Any], new_flat: Mapping[str, Any]) -> N
         ]
 
 
+def _unused_dropblock_setting(key: str, old_flat: Mapping[str, Any], new_flat: Mapping[str, Any]) -> bool:
+    """A DropBlock setting of a run without DropBlock, before and after: no weight depends on it."""
+    unused = not old_flat.get("model.dropblock", False) and not new_flat.get("model.dropblock", False)
+    return unused and key in ("model.dropblock_hidden", "model.dropblock_block_size")
+
+
 def resume_changes(saved: Mapping[str, Any] | DictConfig, new: Mapping[str, Any] | DictConfig) -> list[str]:
     """The settings that differ between a checkpoint's config and the new one, as printable lines.
 
@@ -536,7 +542,11 @@ def resume_changes(saved: Mapping[str, Any] | DictConfig, new: Mapping[str, Any]
         line = f"{key}: {_show(before)} -> {_show(after)}"
         fixed = (why for prefix, why in _FIXED_ON_RESUME.items() if f"{key}.".startswith(f"{prefix}."))
         reason = next(fixed, None)
-        if reason is not None and key not in _FREE_ON_RESUME:
+        if (
+            reason is not None
+            and key not in _FREE_ON_RESUME
+            and not _unused_dropblock_setting(key, old_flat, new_flat)
+        ):
             refused.append(f"{line} ({reason})")
         else:
             changes.append(line)

@@ -60,7 +60,11 @@ def test_collate_pads_to_the_size_divisor_and_keeps_per_image_fields():
 
 def test_model_inputs_are_exactly_the_detector_keyword_arguments():
     parameters = inspect.signature(WeaklySupervisedDetector.forward).parameters
-    assert set(MODEL_INPUT_KEYS) == set(parameters) - {"self", "return_features"}  # an option, not data
+    assert set(MODEL_INPUT_KEYS) == set(parameters) - {
+        "self",
+        "return_features",
+        "return_loss_scales",
+    }  # an option, not data
     batch = collate([_item(40, 70, "a")])
     inputs = model_inputs(batch, device="cpu")
     assert set(inputs) == set(MODEL_INPUT_KEYS) and inputs["images"] is not None
