@@ -17,6 +17,8 @@ from wsod.data.voc import VOC_CLASSES, VOCDataset, parse_voc_xml
 ROOT = Path(__file__).resolve().parents[2]
 
 
+# About a minute on 2 cores (every benchmark's CPU dry run): slow, to keep the default suite under 10 min.
+@pytest.mark.slow
 def test_the_dry_run_runs_every_part_and_writes_one_report(tmp_path):
     out = tmp_path / "out"
     env = {**os.environ, "TMPDIR": str(tmp_path)}
