@@ -115,15 +115,11 @@ class GradNorm(nn.Module):
         return not bool(torch.isnan(self.initial_losses).any())
 
     @torch.no_grad()
-    def observe(self, rate_values: Sequence[Tensor] | Tensor) -> None:
-        """Add one call's rate values (N scalars, or (N,)) to the window that ``record_baseline`` turns
-        into L_i(0); non-finite and non-positive values are left out (a box loss of 0 on a batch
-        without foreground)."""
-        if isinstance(rate_values, Tensor):
-            values = rate_values.detach().to(self.baseline_sum)
-        else:
-            values = torch.stack([torch.as_tensor(v).detach().reshape(()) for v in rate_values])
-            values = values.to(self.baseline_sum)
+    def observe(self, rate_values: Tensor) -> None:
+        """Add one call's rate values (N,) to the window that ``record_baseline`` turns into L_i(0);
+        non-finite and non-positive values are left out (a box loss of 0 on a batch without
+        foreground)."""
+        values = rate_values.detach().to(self.baseline_sum)
         if values.shape != (self.num_losses,):
             raise ValueError(
                 f"GradNorm.observe: expected {self.num_losses} values, got {tuple(values.shape)}"
@@ -136,7 +132,7 @@ class GradNorm(nn.Module):
     def record_baseline(self) -> None:
         """L_i(0) = the mean of the observed values, for each loss not recorded yet that was observed
         at least once (the others are recorded at their first usable ``balance`` call, as without a
-        window). Sum and count may have been summed over processes first (the caller's)."""
+        window)."""
         seen = torch.isnan(self.initial_losses) & (self.baseline_count > 0)
         mean = self.baseline_sum / self.baseline_count.clamp_min(1)
         self.initial_losses.copy_(torch.where(seen, mean.to(self.initial_losses), self.initial_losses))
