@@ -371,6 +371,7 @@ def build_balancer(
         return None
     # A solver node written before the four settings existed (a saved config) means GradNorm as it was.
     follow = settings.get("follow_milestones", False)
+    schedule = {"milestones": list(solver_cfg.milestones), "gamma": solver_cfg.gamma} if follow else {}
     balancer = LossBalancer(
         len(model.loss_names),
         alpha=settings.alpha,
@@ -380,8 +381,7 @@ def build_balancer(
         window=settings.get("window", 0),
         balance=settings.get("balance", "all"),
         normalize_rates=settings.get("normalize_rates", False),
-        milestones=list(solver_cfg.get("milestones", [])) if follow else [],
-        gamma=solver_cfg.get("gamma", 0.1),
+        **schedule,
     )
     return balancer.to(device)
 

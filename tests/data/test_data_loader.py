@@ -60,11 +60,8 @@ def test_collate_pads_to_the_size_divisor_and_keeps_per_image_fields():
 
 def test_model_inputs_are_exactly_the_detector_keyword_arguments():
     parameters = inspect.signature(WeaklySupervisedDetector.forward).parameters
-    assert set(MODEL_INPUT_KEYS) == set(parameters) - {
-        "self",
-        "return_features",
-        "return_loss_scales",
-    }  # an option, not data
+    options = {"self", "return_features", "return_loss_scales"}  # how to run, not data
+    assert set(MODEL_INPUT_KEYS) == set(parameters) - options
     batch = collate([_item(40, 70, "a")])
     inputs = model_inputs(batch, device="cpu")
     assert set(inputs) == set(MODEL_INPUT_KEYS) and inputs["images"] is not None
