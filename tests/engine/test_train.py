@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import itertools
 import json
+import math
 from types import SimpleNamespace
 
 import pytest
@@ -110,39 +111,55 @@ def test_a_few_non_finite_steps_are_skipped_and_training_goes_on(tmp_path):
     assert all(torch.isfinite(p).all() for p in model.parameters())
 
 
-class _Overflowing(nn.Module):
-    """A layer before a train-mode BatchNorm: once its weights are huge (finite), the batch variance of
-    its outputs overflows float32 and the running variance turns inf, while the normalised output, the
-    loss and every gradient stay finite (what ``solver.lr=1e10`` does to the toy model)."""
+class _OverflowingStatistics(nn.Module):
+    """A finite loss with non-finite BatchNorm statistics, built directly: on the calls listed in
+    ``overflowing`` (counted from 1) the forward leaves an infinite running variance behind, as a
+    variance of 1e20-sized activations does in float32 (what ``solver.lr=1e10`` does to the toy model),
+    while the normalised output (from the batch's own statistics), the loss and every gradient stay
+    finite. Built rather than provoked: whether a huge learning rate overflows the statistics before it
+    overflows the loss depends on how the CPU rounds."""
 
-    def __init__(self):
+    def __init__(self, overflowing=()):
         super().__init__()
-        self.fc0, self.norm, self.fc = nn.Linear(3, 3), nn.BatchNorm1d(3), nn.Linear(3, 1)
+        self.norm, self.fc = nn.BatchNorm1d(3), nn.Linear(3, 1)
+        self.overflowing, self.calls = set(overflowing), 0
 
     def forward(self, images, proposals, image_labels, image_sizes, original_sizes, targets):
-        # tanh bounds the loss whatever the weights, as the detector's softmax and BCE losses do.
-        return {"loss_a": self.fc(self.norm(self.fc0(images.flatten(1)[:, :3]))).tanh().pow(2).mean()}
+        self.calls += 1
+        features = self.norm(images.flatten(1)[:, :3])
+        if self.calls in self.overflowing:
+            # In place, as BatchNorm writes its statistics. Through .data: the forward saved the buffer
+            # for a backward that does not read it in training mode, and autograd would refuse a
+            # visible in-place change of a saved tensor.
+            self.norm.running_var.data[0] = math.inf
+        return {"loss_a": self.fc(features).pow(2).mean()}
 
 
 def test_steps_that_overflow_batchnorm_statistics_with_a_finite_loss_are_skipped(tmp_path, caplog):
     torch.manual_seed(0)
-    model = _Overflowing()
-    optimizer = build_optimizer(model, name="sgd", lr=1e25, momentum=0.0, weight_decay=0.0)
+    reference = _OverflowingStatistics()
+    optimizer = build_optimizer(reference, name="sgd", lr=0.1, momentum=0.0, weight_decay=0.0)
+    _run(reference, optimizer, build_scheduler(optimizer, milestones=[], warmup_iters=0), tmp_path / "ref", 1)
+
+    torch.manual_seed(0)
+    model = _OverflowingStatistics(overflowing={2, 3, 4})
+    optimizer = build_optimizer(model, name="sgd", lr=0.1, momentum=0.0, weight_decay=0.0)
     scheduler = build_scheduler(optimizer, milestones=[], warmup_iters=0)
     with pytest.raises(NonFiniteLossError) as caught:
-        _run(model, optimizer, scheduler, tmp_path, max_iter=10, max_nonfinite=3, checkpoint_period=1)
-    # Step 1 made the weights huge but finite; steps 2-4 had finite losses and overflowed statistics.
+        _run(model, optimizer, scheduler, tmp_path / "run", max_iter=10, max_nonfinite=3, checkpoint_period=1)
     assert "the last finite step was iteration 1" in str(caught.value)
     skipped = [r.getMessage() for r in caplog.records if "step skipped" in r.getMessage()]
     assert len(skipped) == 3 and all("non-finite BatchNorm statistic (finite loss" in m for m in skipped)
     assert all("loss_a" in m and "nan" not in m.split("(", 2)[2] for m in skipped)  # finite losses
-    assert model.fc0.weight.abs().max() > 1e20 and torch.isfinite(model.fc0.weight).all()
-    checkpoints = sorted(tmp_path.glob("model_*.pth"))
+    # Nothing of the skipped steps stayed: weights and statistics are those after step 1.
+    for name, value in reference.state_dict().items():
+        assert torch.equal(model.state_dict()[name], value), name
+    checkpoints = sorted((tmp_path / "run").glob("model_*.pth"))
     assert [p.name for p in checkpoints] == ["model_0000002.pth", "model_0000003.pth", "model_0000004.pth"]
-    for path in checkpoints:  # every one holds finite statistics: those after step 1
-        state = torch.load(path, weights_only=False)["model"]
+    for path in checkpoints:  # every one holds the finite statistics of step 1
+        state = torch.load(path, weights_only=True)["model"]
         assert all(torch.isfinite(v).all() for v in state.values() if v.is_floating_point()), path
-        assert torch.equal(state["norm.running_var"], model.norm.running_var)
+        assert torch.equal(state["norm.running_var"], reference.norm.running_var)
 
 
 def test_an_update_that_makes_weights_non_finite_stops_at_once(tmp_path):
