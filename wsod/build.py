@@ -164,14 +164,15 @@ def build_stage2_model(detector_cfg: DictConfig | dict, num_classes: int) -> Fas
 
 
 def load_detector(
-    checkpoint_path: str | Path, map_location: str | torch.device = "cpu"
+    checkpoint_path: str | Path, map_location: str | torch.device = "cpu", *, trust: bool = False
 ) -> tuple[WeaklySupervisedDetector | FasterRCNNDetector, dict[str, Any]]:
     """The detector a wsod checkpoint holds, rebuilt from the settings stored in it, with its weights;
     returns ``(model, metadata)`` (``metadata["classes"]``: the class names). The model is in eval mode
     on ``map_location``. ImageNet weights are never fetched: the checkpoint holds every weight. A
     second-stage checkpoint (``metadata["architecture"] == "faster_rcnn"``, tools/train_stage2.py) gives
-    its ``FasterRCNNDetector``."""
-    checkpoint = load_checkpoint(checkpoint_path, map_location)
+    its ``FasterRCNNDetector``. ``trust``: read the file with the full unpickler (``load_checkpoint``;
+    the tools' ``trust_checkpoint=true``)."""
+    checkpoint = load_checkpoint(checkpoint_path, map_location, trust=trust)
     metadata = dict(checkpoint.get("metadata") or {})
     if "model" not in metadata or "classes" not in metadata:
         raise ValueError(

@@ -172,6 +172,7 @@ _COMMON = {
     ),
     "progress": _FLAG,
     "random_baseline": _FLAG,
+    "trust_checkpoint": _FLAG,
     "data.kind": _choice("toy", "voc", "coco", "folder"),
     "data.root": _path("data.root=data/my_images"),
     "data.classes": _CLASSES,
@@ -308,6 +309,7 @@ EVAL_RULES: dict[str, _Rule] = {
 
 PREDICT_RULES: dict[str, _Rule] = {
     "device": _COMMON["device"],
+    "trust_checkpoint": _FLAG,
     "threads": _COMMON["threads"],
     "progress": _FLAG,
     "checkpoint": _path("checkpoint=runs/my_run/model_final.pth"),
@@ -525,7 +527,7 @@ def resume_changes(saved: Mapping[str, Any] | DictConfig, new: Mapping[str, Any]
     """The settings that differ between a checkpoint's config and the new one, as printable lines.
 
     Raises ``ConfigError`` naming every change a resumed run cannot honour, with the reason. Run
-    bookkeeping (``resume``, ``output_dir``) is ignored.
+    bookkeeping (``resume``, ``output_dir``, ``trust_checkpoint``) is ignored.
     """
     old_flat, new_flat = flatten(saved), flatten(new)
     for old, key in _MOVED_KEYS.items():
@@ -534,7 +536,7 @@ def resume_changes(saved: Mapping[str, Any] | DictConfig, new: Mapping[str, Any]
     _fill_added_keys(old_flat, new_flat)
     changes, refused = [], []
     for key in sorted(set(old_flat) | set(new_flat)):
-        if key in ("resume", "output_dir"):
+        if key in ("resume", "output_dir", "trust_checkpoint"):
             continue
         before, after = old_flat.get(key, "<absent>"), new_flat.get(key, "<absent>")
         if before == after:

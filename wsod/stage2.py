@@ -96,7 +96,7 @@ def _rule(cfg: DictConfig, classes: list[str]) -> PseudoBoxRule:
 
 def _export_in(out_dir: Path, cfg: DictConfig, device: torch.device) -> dict[str, Any]:
     logger.info("command: %s", " ".join(sys.argv))
-    model, metadata = load_detector(cfg.checkpoint, device)
+    model, metadata = load_detector(cfg.checkpoint, device, trust=cfg.trust_checkpoint)
     classes = list(metadata["classes"])
     prepare_data(cfg.data, progress=cfg.progress)
     sets = build_export_datasets(cfg.data)

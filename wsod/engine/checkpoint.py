@@ -19,6 +19,7 @@ A run directory's files (``Checkpointer``):
 from __future__ import annotations
 
 import logging
+import pickle
 import random
 import re
 from collections.abc import Callable
@@ -36,6 +37,7 @@ __all__ = [
     "checkpoint_name",
     "save_checkpoint",
     "load_checkpoint",
+    "UntrustedCheckpointError",
     "latest_valid_checkpoint",
     "list_checkpoints",
     "rng_state",
@@ -53,14 +55,45 @@ def save_checkpoint(state: dict[str, Any], path: str | Path) -> Path:
     return Path(path)
 
 
-def load_checkpoint(path: str | Path, map_location: str | torch.device = "cpu") -> dict[str, Any]:
-    """Read a checkpoint written by ``save_checkpoint``; raises a clear error naming the file."""
+class UntrustedCheckpointError(ValueError):
+    """A checkpoint that the weights-only loader refuses: reading it would unpickle arbitrary objects,
+    which can run code. Raised instead of skipping the file (``latest_valid_checkpoint``), so that no
+    refused file is silently passed over."""
+
+
+# How torch says its weights-only unpickler refused a global (torch 2.4 to 2.14 word it this way).
+_REFUSED = "Weights only load failed"
+_REFUSED_GLOBAL = re.compile(r"GLOBAL ([\w.]+)")
+
+
+def load_checkpoint(
+    path: str | Path, map_location: str | torch.device = "cpu", *, trust: bool = False
+) -> dict[str, Any]:
+    """Read a checkpoint written by ``save_checkpoint``; raises a clear error naming the file.
+
+    Loaded with torch's weights-only unpickler, which builds tensors, plain containers and numbers but
+    never calls a function named by the file: a downloaded ``.pth`` cannot run code. Everything wsod
+    writes is such plain data. A file that needs more (an older wsod's, or another program's) is refused
+    with ``UntrustedCheckpointError`` unless ``trust`` (the tools' ``trust_checkpoint=true``) says that
+    its source is trusted: then the full unpickler reads it, with a warning.
+    """
     path = Path(path)
     if not path.is_file():
         raise FileNotFoundError(f"checkpoint not found: {path}")
+    if trust:
+        logger.warning("trust_checkpoint=true: reading %s with the full unpickler, which can run code", path)
     try:
-        # Our checkpoints hold RNG states and plain Python values besides tensors: trusted files only.
-        return torch.load(path, map_location=map_location, weights_only=False)
+        return torch.load(path, map_location=map_location, weights_only=not trust)
+    except pickle.UnpicklingError as error:
+        if not trust and str(error).startswith(_REFUSED):
+            found = _REFUSED_GLOBAL.search(str(error))
+            what = f"an object of {found.group(1)}" if found else "objects other than tensors and plain data"
+            raise UntrustedCheckpointError(
+                f"checkpoint {path} holds {what}, which the weights-only loader refuses (loading it could run"
+                " code): use a checkpoint written by this wsod, or add trust_checkpoint=true if you trust"
+                " where the file came from (docs/RELIABILITY.md)"
+            ) from None
+        raise RuntimeError(f"checkpoint {path} cannot be read ({type(error).__name__}: {error})") from error
     except Exception as error:
         raise RuntimeError(f"checkpoint {path} cannot be read ({type(error).__name__}: {error})") from error
 
@@ -75,12 +108,14 @@ def list_checkpoints(directory: str | Path) -> list[Path]:
 
 
 def latest_valid_checkpoint(
-    directory: str | Path, map_location: str | torch.device = "cpu"
+    directory: str | Path, map_location: str | torch.device = "cpu", *, trust: bool = False
 ) -> tuple[Path, dict[str, Any]] | None:
-    """The newest readable checkpoint in ``directory`` and its contents, or ``None`` if there is none."""
+    """The newest readable checkpoint in ``directory`` and its contents, or ``None`` if there is none.
+    A truncated or corrupt file is skipped with a warning; one the weights-only loader refuses is not
+    (``UntrustedCheckpointError``: ``load_checkpoint``'s ``trust`` decides)."""
     for path in list_checkpoints(directory):
         try:
-            return path, load_checkpoint(path, map_location)
+            return path, load_checkpoint(path, map_location, trust=trust)
         except RuntimeError as error:
             logger.warning("skipping unreadable checkpoint, trying the previous one: %s", error)
     return None
@@ -172,6 +207,8 @@ class Checkpointer:
             evaluation rebuilds the model from a checkpoint alone).
         enabled: whether this process writes files (the main one). Every process keeps the same best
             record, so that all of them make the same decisions.
+        trust: read this folder's ``model_best.pth`` with the full unpickler (``load_checkpoint``), as
+            the run's own checkpoints were (``trust_checkpoint=true``).
 
     Attributes:
         best: the best evaluation's record ``{"value", "iteration", "metric"}``, or None.
@@ -185,9 +222,10 @@ class Checkpointer:
         keep: int = 3,
         metadata: dict[str, Any] | None = None,
         enabled: bool = True,
+        trust: bool = False,
     ) -> None:
         self.run_dir = Path(run_dir)
-        self.period, self.keep, self.enabled = period, keep, enabled
+        self.period, self.keep, self.enabled, self.trust = period, keep, enabled, trust
         self.metadata = metadata or {}
         self.best: dict[str, Any] | None = None
         self._final: dict[str, Any] | None = None
@@ -263,7 +301,7 @@ class Checkpointer:
         if not path.is_file():
             return None
         try:
-            return load_checkpoint(path).get("best")
+            return load_checkpoint(path, trust=self.trust).get("best")
         except RuntimeError as error:
             logger.warning("ignoring %s: %s", path, error)
             return None
