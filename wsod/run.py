@@ -34,6 +34,7 @@ refused either way.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import shlex
@@ -77,6 +78,7 @@ from wsod.data.folder import SPLIT_SEED, TEST_FRACTION, has_split_column, write_
 from wsod.data.images import ImageFiles, check_readable, find_images
 from wsod.data.loader import build_train_loader, infinite_batches
 from wsod.data.proposals import load_proposals
+from wsod.directory_lock import LOCK_FILE, DirectoryBusyError, DirectoryLock
 from wsod.distributed import (
     broadcast_object,
     cleanup_distributed,
@@ -100,6 +102,7 @@ from wsod.engine.run_log import RunLog
 from wsod.engine.train import train
 from wsod.engine.visualize import draw_detections, save_png
 from wsod.evaluation.coco import save_coco_results, to_named_results
+from wsod.modeling.faster_rcnn import ARCHITECTURE as FASTER_RCNN_ARCHITECTURE
 from wsod.modeling.faster_rcnn import FasterRCNNDetector
 
 __all__ = [
@@ -191,13 +194,17 @@ def run_in_directory(
     body: Callable[[Path, DictConfig, torch.device], T],
     claim: Callable[[Path, DictConfig], str | None] | None = None,
     sweep: bool = False,
+    option: str = "output_dir",
 ) -> T:
     """``body(directory, cfg, device)`` with what every entry point does around it (the module docstring).
 
-    ``claim(directory, cfg)`` runs before anything is written there: it refuses a directory this run must
-    not write to, or prepares it, and returns a line to log once logging has started (or None).
-    ``sweep``: under a Hydra multirun, a null ``output_dir`` is the job's sweep directory
-    (``choose_output_dir``).
+    The directory is locked first (``wsod.directory_lock``, by the main process, for as long as the
+    command runs): a second command given the same folder is refused at once. ``claim(directory, cfg)``
+    runs next, before anything is written there: it refuses a directory this run must not write to, or
+    prepares it, and returns a line to log once logging has started (or None); a refused directory that
+    did not exist before is removed again. ``sweep``: under a Hydra multirun, a null ``output_dir`` is the
+    job's sweep directory (``choose_output_dir``). ``option``: the config key that names the directory,
+    for messages.
     """
     main = is_main_process()
     device = resolve_device(cfg.device)
@@ -205,20 +212,55 @@ def run_in_directory(
     if device.type == "cpu" and threads:
         torch.set_num_threads(threads)
     directory = choose_output_dir(output_dir, parent, sweep=sweep)
-    note = claim(directory, cfg) if claim is not None else None
-    directory.mkdir(parents=True, exist_ok=True)
-    setup_logging(directory, main)
-    if note:
-        logger.info(note)
+    lock, note = _lock_and_claim(directory, cfg, claim, option)
     try:
-        result = body(directory, cfg, device)
-    except Exception as error:
+        setup_logging(directory, main)
+        if note:
+            logger.info(note)
+        try:
+            result = body(directory, cfg, device)
+        except Exception as error:
+            if main:
+                write_failure(directory, error)
+            raise
         if main:
-            write_failure(directory, error)
+            (directory / "error.txt").unlink(missing_ok=True)  # from an earlier attempt that this one redid
+        return result
+    finally:
+        if lock is not None:
+            lock.release()
+
+
+def _lock_and_claim(
+    directory: Path,
+    cfg: DictConfig,
+    claim: Callable[[Path, DictConfig], str | None] | None,
+    option: str,
+) -> tuple[DirectoryLock | None, str | None]:
+    """Lock ``directory`` (main process) and run ``claim``; every process raises the same refusal."""
+    if directory.exists() and not directory.is_dir():
+        raise ConfigError(f"{option}={directory} is a file, not a folder: give a folder (new, or a run's)")
+    existed = directory.exists()
+    lock = DirectoryLock(directory, option) if is_main_process() else None
+    refusal: Exception | None = None
+    try:
+        if lock is not None:
+            lock.acquire()
+    except DirectoryBusyError as busy:
+        refusal, lock = busy, None
+    refusal = broadcast_object(refusal)  # the other ranks learn what the main one found
+    if refusal is not None:
+        raise refusal
+    try:
+        return lock, claim(directory, cfg) if claim is not None else None
+    except BaseException:
+        if lock is not None:
+            lock.release()
+            if not existed:  # leave no trace of a refused command: the folder was made for the lock
+                lock.path.unlink(missing_ok=True)
+                with contextlib.suppress(OSError):  # not empty after all: keep what is there
+                    directory.rmdir()
         raise
-    if main:
-        (directory / "error.txt").unlink(missing_ok=True)  # from an earlier attempt that this one redid
-    return result
 
 
 # -- train -------------------------------------------------------------------------------------------
@@ -253,12 +295,30 @@ def run_training(cfg: DictConfig, body: Callable[[Path, DictConfig, torch.device
     return run_in_directory(cfg, cfg.output_dir, "runs", body, claim=refuse_another_run, sweep=True)
 
 
+# What a training run writes from its first moment (log.txt as its directory is set up, config.yaml
+# before its data is read): a folder holding any of them holds a run, checkpoint or not.
+RUN_FILES = ("config.yaml", "log.txt", "metrics.jsonl", "model_final.pth")
+
+
 def refuse_another_run(run_dir: Path, cfg: DictConfig) -> None:
-    if not cfg.resume and (list_checkpoints(run_dir) or (run_dir / "model_final.pth").exists()):
-        raise ConfigError(
-            f"{run_dir} already holds a run (checkpoints): resume=true continues it; another output_dir"
-            " starts a new one"
-        )
+    """Refuse a directory that holds a started or finished run (``RUN_FILES`` or a checkpoint) unless
+    ``resume=true`` continues it: two runs in one folder mix their logs, metrics and checkpoints."""
+    if cfg.resume:
+        return
+    checkpoints = list_checkpoints(run_dir)
+    found = [name for name in RUN_FILES if (run_dir / name).exists()]
+    if not checkpoints and not found:
+        return
+    held = (
+        f"checkpoints up to {checkpoints[0].name}"
+        if checkpoints
+        else f"{', '.join(found)}; no checkpoint yet"
+    )
+    start = "from its newest checkpoint" if checkpoints else "from step 0"
+    raise ConfigError(
+        f"{run_dir} already holds a run ({held}): resume=true continues it ({start}); another"
+        " output_dir starts a new one"
+    )
 
 
 def _train_in(run_dir: Path, cfg: DictConfig, device: torch.device) -> dict[str, Any]:
@@ -294,10 +354,11 @@ def begin_training_run(
     command (and a sweep job's overrides), find the checkpoint to resume from, check the settings a
     resume changes, write ``config.yaml`` (or ``config_resume_<iteration>.yaml``, the original staying),
     a folder dataset's ``split.csv``, and seed torch. Returns ``(resolved config, resume_from,
-    resumed_at)``."""
+    resumed_at)``: ``resumed_at`` is the iteration the run continues after (0 for ``resume=true`` in a
+    run stopped before its first checkpoint: its log rows are dropped), None for a new run."""
     main = is_main_process()
     resolved = OmegaConf.to_container(cfg, resolve=True)
-    resume_from = latest_valid_checkpoint(run_dir) if cfg.resume else None
+    resume_from = latest_valid_checkpoint(run_dir, trust=cfg.trust_checkpoint) if cfg.resume else None
     if main:
         logger.info("command: %s", " ".join(sys.argv))
         if in_multirun():  # the command is the whole sweep's: say which of its jobs this is
@@ -307,10 +368,13 @@ def begin_training_run(
     resumed_at = None
     if resume_from is None:
         if cfg.resume:
-            logger.info("resume requested but no checkpoint in %s: starting from scratch", run_dir)
+            # A run stopped before its first checkpoint continues from step 0: what it logged goes.
+            logger.info("resume requested but no checkpoint in %s: starting from step 0", run_dir)
+            resumed_at = 0
         config_file = run_dir / "config.yaml"
     else:
         path, checkpoint = resume_from
+        _check_run_kind(path, checkpoint, cfg)
         resumed_at = TrainState.from_dict(checkpoint["trainer"]).iteration
         _log_resume_changes(checkpoint["metadata"].get("config"), resolved, path)
         config_file = run_dir / f"config_resume_{resumed_at:07d}.yaml"  # the original config.yaml stays
@@ -323,6 +387,25 @@ def begin_training_run(
             )  # fmt: skip
     torch.manual_seed(cfg.seed)  # identical initial weights on every rank
     return resolved, resume_from, resumed_at
+
+
+def _run_kind(second_stage: bool) -> str:
+    return (
+        "a second-stage run (tools/train_stage2.py)" if second_stage else "a first-stage run (tools/train.py)"
+    )
+
+
+def _check_run_kind(path: Path, checkpoint: dict[str, Any], cfg: DictConfig) -> None:
+    """Refuse to resume a first-stage run with the second stage's command, or the other way round: their
+    settings share few keys, and the difference would read as dozens of refused changes."""
+    saved = (checkpoint.get("metadata") or {}).get("architecture") == FASTER_RCNN_ARCHITECTURE
+    command = "detector" in cfg  # configs/stage2.yaml's detector node; configs/train.yaml has model
+    if saved != command:
+        tool = "tools/train_stage2.py" if saved else "tools/train.py"
+        raise ConfigError(
+            f"{path} belongs to {_run_kind(saved)}, and this command starts {_run_kind(command)}: resume it"
+            f" with {tool} output_dir={path.parent} resume=true, or give this command another output_dir"
+        )
 
 
 def train_and_evaluate(
@@ -356,7 +439,12 @@ def train_and_evaluate(
         pin_memory=device.type == "cuda",
     )  # fmt: skip
     checkpointer = Checkpointer(
-        run_dir, period=cfg.checkpoint_period, keep=cfg.keep_checkpoints, metadata=metadata, enabled=main
+        run_dir,
+        period=cfg.checkpoint_period,
+        keep=cfg.keep_checkpoints,
+        metadata=metadata,
+        enabled=main,
+        trust=cfg.trust_checkpoint,
     )
     # One log for the run: on a resume, what the interrupted run logged after the checkpoint is dropped.
     with RunLog(run_dir, enabled=main, purge_after=resumed_at) as run_log:
@@ -456,7 +544,7 @@ def _evaluate(cfg: DictConfig) -> dict[str, float]:
 
 
 def _evaluate_in(out_dir: Path, cfg: DictConfig, device: torch.device) -> dict[str, float]:
-    model, metadata = load_detector(cfg.checkpoint, device)
+    model, metadata = load_detector(cfg.checkpoint, device, trust=cfg.trust_checkpoint)
     _check_seeded_split(cfg, (metadata.get("config") or {}).get("data"))
     prepare_data(cfg.data, progress=cfg.progress and is_main_process())
     evaluator = build_evaluator(cfg.data, device, cfg.progress)
@@ -469,7 +557,7 @@ def _evaluate_in(out_dir: Path, cfg: DictConfig, device: torch.device) -> dict[s
             " its class list from data.classes or <root>/classes.txt)"
         )
     if cfg.predictions:
-        saved = load_checkpoint(cfg.predictions)
+        saved = load_checkpoint(cfg.predictions, trust=cfg.trust_checkpoint)
         if list(saved["image_ids"]) != list(test_set.image_ids):
             raise ValueError(f"{cfg.predictions} holds predictions for other images than {cfg.data.test.set}")
         logger.info("reusing predictions from %s (not recomputed)", cfg.predictions)
@@ -515,7 +603,9 @@ def predict_from_config(cfg: DictConfig) -> dict[str, Any]:
     """Predict ``cfg.input`` with ``cfg.checkpoint`` (configs/predict.yaml; the module docstring says
     what is written); returns a summary. One process: no process group is joined."""
     check_config(cfg, PREDICT_RULES)
-    return run_in_directory(cfg, cfg.output, "runs/predict", _predict_in, claim=_clear_output)
+    return run_in_directory(
+        cfg, cfg.output, "runs/predict", _predict_in, claim=_clear_output, option="output"
+    )
 
 
 def _clear_output(out_dir: Path, cfg: DictConfig) -> str | None:
@@ -523,9 +613,9 @@ def _clear_output(out_dir: Path, cfg: DictConfig) -> str | None:
     predictions.json, for images this run may not have); with ``overwrite`` delete what a prediction
     writes there first, and say so. A folder holding anything else (the input images themselves, say)
     is never emptied, overwrite or not: deleting a user's files is not ours."""
-    if not out_dir.is_dir() or not any(out_dir.iterdir()):
+    own = [p for p in out_dir.rglob("*") if p.is_file() and p != out_dir / LOCK_FILE]  # the lock is ours
+    if not own:
         return None
-    own = [p for p in out_dir.rglob("*") if p.is_file()]
     inputs = find_images(cfg.input)[0]
     inside = {os.path.realpath(p) for p in inputs} & {os.path.realpath(p) for p in own}
     foreign = [p for p in own if not _is_prediction_output(p)]
@@ -555,7 +645,7 @@ def _is_prediction_output(path: Path) -> bool:
 def _predict_in(out_dir: Path, cfg: DictConfig, device: torch.device) -> dict[str, Any]:
     files, names = find_images(cfg.input)
     check_readable(files)
-    model, metadata = load_detector(cfg.checkpoint, device)
+    model, metadata = load_detector(cfg.checkpoint, device, trust=cfg.trust_checkpoint)
     classes = list(metadata["classes"])
     scales, max_size, flip, max_proposals = _views(cfg, metadata)
     proposes_itself = isinstance(model, FasterRCNNDetector)  # a second stage: its RPN makes the boxes
