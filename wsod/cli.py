@@ -28,6 +28,7 @@ __all__ = [
 ]
 
 logger = logging.getLogger("wsod")
+EXIT_INTERRUPTED = 130  # what a shell reports for a program ended by SIGINT (128 + 2)
 
 
 def full_tracebacks() -> bool:
@@ -96,9 +97,21 @@ def error_message(error: BaseException) -> str:
 
 def run_tool(entry: Callable[[Any], Any], cfg: Any) -> None:
     """Run ``entry(cfg)`` as a command-line tool: on an exception, log it (with its traceback in log.txt
-    when the run directory exists), print one line on the console, and exit with status 1."""
+    when the run directory exists), print one line on the console, and exit with status 1. Interrupted
+    (Ctrl-C, SIGTERM): one line, to log.txt too, and exit status 130; after a clean stop of the
+    training loop (``TrainingInterrupted``) the line names the checkpoint saved."""
     try:
         entry(cfg)
+    except KeyboardInterrupt as interrupt:
+        message = str(interrupt) or (
+            "interrupted: stopped at once; anything since the newest checkpoint is not saved (resume=true"
+            " continues a training run from it)"
+        )
+        if _logging_to_a_file():
+            logger.warning(message)
+        else:
+            print(message, file=sys.stderr)
+        sys.exit(EXIT_INTERRUPTED)
     except Exception as error:
         message = error_message(error)
         if _logging_to_a_file():
@@ -127,6 +140,8 @@ class SweepJobs:
         try:
             run_tool(entry, cfg)
         except SystemExit as stop:
+            if stop.code == EXIT_INTERRUPTED:  # the user stopped the sweep, not just this job
+                raise
             # run_tool has printed the error and logged its traceback; exiting here would drop the
             # sweep's remaining jobs.
             if stop.code not in (None, 0):

@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import itertools
 import math
+import signal
 from collections.abc import Iterable, Iterator, Sequence
 
 import torch
@@ -46,6 +47,7 @@ __all__ = [
     "build_train_loader",
     "build_test_loader",
     "infinite_batches",
+    "ignore_interrupts_in_worker",
 ]
 
 MODEL_INPUT_KEYS = ("images", "proposals", "image_labels", "image_sizes", "original_sizes", "targets")
@@ -172,6 +174,14 @@ def _rank_and_world(rank: int | None, world_size: int | None) -> tuple[int, int]
     return rank, world_size
 
 
+def ignore_interrupts_in_worker(worker_id: int) -> None:
+    """Every loader's ``worker_init_fn``: the worker ignores SIGINT. Ctrl-C reaches every process of the
+    terminal's foreground group, and the main process stops cleanly on it (``wsod.engine.interrupt``):
+    a worker that died of it would break the step being finished. SIGTERM keeps its default, which the
+    loader uses to end a stuck worker."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+
+
 def _loader(
     dataset: Dataset, batch_sampler: Sampler, num_workers: int, seed: int, pin_memory: bool
 ) -> DataLoader:
@@ -185,6 +195,7 @@ def _loader(
         persistent_workers=num_workers > 0,
         # Fixes the seeds of the workers' random transforms.
         generator=torch.Generator().manual_seed(seed),
+        worker_init_fn=ignore_interrupts_in_worker,  # Ctrl-C is the main process's (a clean stop)
     )
 
 

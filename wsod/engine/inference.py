@@ -18,7 +18,7 @@ from torch.utils.data import DataLoader, Dataset
 from tqdm import tqdm
 
 from wsod.data.dataset import WeakDetectionDataset
-from wsod.data.loader import collate, model_inputs
+from wsod.data.loader import collate, ignore_interrupts_in_worker, model_inputs
 from wsod.data.transforms import test_transform
 from wsod.distributed import gather_to_main, get_rank, get_world_size
 from wsod.engine.amp import autocast, resolve_amp
@@ -97,6 +97,7 @@ def predict(
         collate_fn=_collate_views,
         num_workers=num_workers,
         pin_memory=device.type == "cuda",  # lets the host-to-GPU copies run asynchronously
+        worker_init_fn=ignore_interrupts_in_worker,
     )
     was_training = model.training
     model.eval()

@@ -35,11 +35,12 @@ from wsod.engine.amp import autocast, resolve_amp
 from wsod.engine.checkpoint import Checkpointer, TrainState, rng_state, set_rng_state
 from wsod.engine.companion import Companion
 from wsod.engine.evaluate import Evaluator
+from wsod.engine.interrupt import StopRequests, TrainingInterrupted
 from wsod.engine.pseudo_label_preview import PseudoLabelPreview
 from wsod.engine.run_log import RunLog
 from wsod.engine.solver import WarmupMultiStepLR, load_optimizer_state
 
-__all__ = ["train", "NonFiniteLossError"]
+__all__ = ["train", "NonFiniteLossError", "TrainingInterrupted"]
 
 logger = logging.getLogger(__name__)
 
@@ -99,6 +100,9 @@ def train(
             the last finite state (whatever the checkpointer's period) and names it. An update that
             makes a parameter non-finite stops the run at once, so that no checkpoint ever holds
             non-finite weights; its message says which checkpoint, if any, holds the last finite ones.
+        (Ctrl-C or SIGTERM: the step in progress ends, a checkpoint of it is saved whatever the period,
+        and ``TrainingInterrupted`` names it; a second signal raises ``KeyboardInterrupt`` at once, see
+        ``wsod.engine.interrupt``. ``resume_from`` that checkpoint continues exactly.)
         preview: tensorboard images of each student's pseudo-labels on a few fixed training images
             (``wsod.engine.pseudo_label_preview``), on the main process after each applied step whose
             iteration is a multiple of ``preview.period`` (a skipped step changed nothing to look at),
@@ -127,7 +131,7 @@ def train(
     batches = make_batches(state.iteration * accumulation)
     model.train()
     consecutive_nonfinite, values = 0, {}
-    with _progress_bar(max_iter, state.iteration, shown=main and progress) as bar:
+    with _progress_bar(max_iter, state.iteration, shown=main and progress) as bar, StopRequests() as stop:
         step_start, logged_at = time.perf_counter(), state.iteration
         while state.iteration < max_iter:
             buffers = _copy_buffers(model)  # restored if the step is skipped
@@ -179,6 +183,9 @@ def train(
             periodic = eval_period and state.iteration % eval_period == 0
             if evaluator is not None and periodic and state.iteration < max_iter:
                 _periodic_evaluation(model, evaluator, state, run_log, checkpointer, payload)
+            if stop.requested_anywhere(device):  # after the step's checkpoint and evaluation
+                checkpointer.periodic(state, payload, force=True)
+                raise TrainingInterrupted(_interrupted_message(stop.name, state, max_iter, checkpointer))
         checkpointer.periodic(state, payload, force=True)  # the last state, whatever the period
         checkpointer.final(_unwrap(model).state_dict(), state.iteration)
     return {
@@ -427,6 +434,16 @@ def _check_parameters(model: nn.Module, iteration: int, checkpointer: Checkpoint
             " and gradients were finite: the step was too large). Lower solver.lr;"
             f" {_saved_weights(checkpointer)}"
         )
+
+
+def _interrupted_message(
+    signal_name: str | None, state: TrainState, max_iter: int, checkpointer: Checkpointer
+) -> str:
+    by = signal_name or "a signal to another process"
+    return (
+        f"interrupted by {by} after iteration {state.iteration}/{max_iter}: saved"
+        f" {checkpointer.path(state.iteration)}; resume=true continues the run from it"
+    )
 
 
 def _stop_message(consecutive: int, state: TrainState, checkpointer: Checkpointer) -> str:
