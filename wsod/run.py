@@ -374,7 +374,7 @@ def begin_training_run(
         config_file = run_dir / "config.yaml"
     else:
         path, checkpoint = resume_from
-        _check_run_kind(path, checkpoint, cfg)
+        _check_resumable(path, checkpoint, cfg)
         resumed_at = TrainState.from_dict(checkpoint["trainer"]).iteration
         _log_resume_changes(checkpoint["metadata"].get("config"), resolved, path)
         config_file = run_dir / f"config_resume_{resumed_at:07d}.yaml"  # the original config.yaml stays
@@ -395,9 +395,18 @@ def _run_kind(second_stage: bool) -> str:
     )
 
 
-def _check_run_kind(path: Path, checkpoint: dict[str, Any], cfg: DictConfig) -> None:
-    """Refuse to resume a first-stage run with the second stage's command, or the other way round: their
-    settings share few keys, and the difference would read as dozens of refused changes."""
+def _check_resumable(path: Path, checkpoint: dict[str, Any], cfg: DictConfig) -> None:
+    """Refuse a checkpoint that is not a training run's periodic one (no training state: a final model
+    copied in, another program's file), and a first-stage run resumed with the second stage's command or
+    the other way round: their settings share few keys, and the difference would read as dozens of
+    refused changes."""
+    missing = [key for key in ("trainer", "metadata", "model", "optimizer") if key not in checkpoint]
+    if missing:
+        raise ConfigError(
+            f"{path} holds no training state ({', '.join(missing)} missing): resume reads the periodic"
+            f" checkpoints (model_<iteration>.pth) a training run writes; move this file out of"
+            f" {path.parent}, or give another output_dir"
+        )
     saved = (checkpoint.get("metadata") or {}).get("architecture") == FASTER_RCNN_ARCHITECTURE
     command = "detector" in cfg  # configs/stage2.yaml's detector node; configs/train.yaml has model
     if saved != command:
@@ -558,6 +567,12 @@ def _evaluate_in(out_dir: Path, cfg: DictConfig, device: torch.device) -> dict[s
         )
     if cfg.predictions:
         saved = load_checkpoint(cfg.predictions, trust=cfg.trust_checkpoint)
+        missing = [key for key in ("image_ids", "detections") if key not in saved]
+        if missing:
+            raise ConfigError(
+                f"predictions={cfg.predictions}: not a predictions file ({', '.join(missing)} missing): give"
+                " the predictions.pth an evaluation wrote, or drop predictions= to predict again"
+            )
         if list(saved["image_ids"]) != list(test_set.image_ids):
             raise ValueError(f"{cfg.predictions} holds predictions for other images than {cfg.data.test.set}")
         logger.info("reusing predictions from %s (not recomputed)", cfg.predictions)
