@@ -128,7 +128,7 @@ def _reference(dets, labels, size, min_score, threshold):
         def share(a, b):
             iw = min(a[2], b[2]) - max(a[0], b[0]) + 1
             ih = min(a[3], b[3]) - max(a[1], b[1]) + 1
-            return max(iw, 0) * max(ih, 0) / ((a[2] - a[0] + 1) * (a[3] - a[1] + 1))
+            return max(iw, 0) * max(ih, 0) / ((a[2] - a[0] + 1) * (a[3] - a[1] + 1) + 1e-6)
 
         survivors = []
         for i, a in enumerate(kept):
@@ -171,6 +171,92 @@ def test_the_rule_matches_a_naive_loop_on_random_detections(seed):
     assert got == want
     unfiltered, _ = select_pseudo_boxes(dets, labels, SIZE, PseudoBoxRule(containment=None))
     assert len(got) < len(unfiltered["boxes"])  # the containment step acted on these detections
+
+
+def _sos_pgf(dets, labels, t_keep, t_con):
+    """SoS-WSOD's filter (tools/pgf.py at 12d0b3b) as its plain loop, written from its facts, without
+    wsod's differences, for the ties: the class filter; per class the first detection (here by
+    decreasing score, as a model lists them) kept, each other dropped when ``score < t_keep``, a Python
+    float against a Python float (line 238); then box i dropped when another kept box j of its class
+    has ``inter / (area_i + 1e-6) >= t_con`` (contain_cal, lines 209-219; line 259), areas in wsod's
+    inclusive pixels. Returns (box, score, label) rows, class by class."""
+    rows = [
+        (box, s, c)
+        for box, s, c in zip(
+            dets["boxes"].tolist(), dets["scores"].tolist(), dets["labels"].tolist(), strict=True
+        )
+        if labels[c] > 0
+    ]
+    rows.sort(key=lambda r: (r[2], -r[1]))
+    seen, kept = set(), []
+    for row in rows:
+        if row[2] not in seen:
+            seen.add(row[2])
+            kept.append(row)
+        elif not row[1] < t_keep:
+            kept.append(row)
+
+    def contain(a, b):
+        inter = max(0, min(a[2], b[2]) - max(a[0], b[0]) + 1) * max(0, min(a[3], b[3]) - max(a[1], b[1]) + 1)
+        return inter / ((a[2] - a[0] + 1) * (a[3] - a[1] + 1) + 1e-6)
+
+    save = [True] * len(kept)
+    for i, a in enumerate(kept):
+        for j, b in enumerate(kept):
+            if i != j and a[2] == b[2] and contain(a[0], b[0]) >= t_con:
+                save[i] = False
+    return [row for row, keep in zip(kept, save, strict=True) if keep]
+
+
+def _as_rows(rows) -> list[tuple]:
+    return [(*[round(v, 4) for v in box], round(s, 4), c) for box, s, c in rows]
+
+
+def test_a_box_exactly_containment_inside_another_stays_as_in_sos():
+    # Box 0 (4 x 4 = 16 pixels) has 3 x 4 = 12 of them inside box 1: a share of exactly 0.75 in binary.
+    dets = _detections([(0, 0, 3, 3, 0.9, 0), (1, 0, 10, 10, 0.8, 0)])
+    assert containment(dets["boxes"])[0, 1].item() == 0.75
+    for threshold, kept in ((0.75, 2), (0.7499, 1)):  # at the share: kept; just below it: given way
+        rule = PseudoBoxRule(containment=threshold)
+        selected, _ = select_pseudo_boxes(dets, _labels(0), SIZE, rule)
+        assert _rows(selected) == _as_rows(_sos_pgf(dets, _labels(0), 0.2, threshold))
+        assert len(selected["boxes"]) == kept
+    # The default 0.85 as a tie: 17 of box 0's 20 pixels inside box 1; 17 / 20 rounds to the double 0.85.
+    dets = _detections([(0, 0, 19, 0, 0.9, 1), (3, 0, 30, 5, 0.8, 1)])
+    assert containment(dets["boxes"])[0, 1].item() == 17 / 20 == 0.85
+    selected, _ = select_pseudo_boxes(dets, _labels(1), SIZE, PseudoBoxRule())
+    assert _rows(selected) == _as_rows(_sos_pgf(dets, _labels(1), 0.2, 0.85))
+    assert len(selected["boxes"]) == 2
+
+
+def test_containment_one_drops_nothing_as_in_sos():
+    dets = _detections([
+        (10, 10, 89, 89, 0.9, 0),  # the whole
+        (30, 30, 49, 49, 0.8, 0),  # wholly inside it
+        (30, 30, 49, 49, 0.7, 0),  # the same box again: each wholly inside the other
+        (0, 0, 99, 99, 0.6, 0),    # holding all three
+    ])  # fmt: skip
+    one, _ = select_pseudo_boxes(dets, _labels(0), SIZE, PseudoBoxRule(containment=1.0))
+    assert _rows(one) == _as_rows(_sos_pgf(dets, _labels(0), 0.2, 1.0))
+    assert len(one["boxes"]) == 4  # a share is at most area / (area + 1e-6) < 1
+    almost, _ = select_pseudo_boxes(dets, _labels(0), SIZE, PseudoBoxRule(containment=0.99))
+    assert _rows(almost) == [(0, 0, 99, 99, 0.6, 0)]  # the step acts just below 1
+
+
+@pytest.mark.parametrize("threshold", [0.7, 0.9])
+def test_a_score_of_exactly_float32_of_min_score_falls_below_it_as_in_sos(threshold):
+    score = torch.tensor(threshold, dtype=torch.float32)
+    assert score.item() < threshold and bool(score >= threshold)  # below in double, equal in float32
+    dets = _detections([(0, 0, 9, 9, 0.95, 0), (50, 0, 59, 9, threshold, 0), (100, 0, 109, 9, 0.99, 1)])
+    rule = PseudoBoxRule(min_score=threshold)
+    selected, _ = select_pseudo_boxes(dets, _labels(0, 1), SIZE, rule)
+    assert _rows(selected) == _as_rows(_sos_pgf(dets, _labels(0, 1), threshold, 0.85))
+    assert _rows(selected) == [(0, 0, 9, 9, 0.95, 0), (100, 0, 109, 9, 0.99, 1)]
+    # float32(0.2) lies above 0.2: kept in double as in float32.
+    dets["scores"][1] = 0.2
+    selected, _ = select_pseudo_boxes(dets, _labels(0, 1), SIZE, PseudoBoxRule(min_score=0.2))
+    assert _rows(selected) == _as_rows(_sos_pgf(dets, _labels(0, 1), 0.2, 0.85))
+    assert len(selected["boxes"]) == 3
 
 
 def test_precision_and_recall_at_iou_half_match_a_hand_count():

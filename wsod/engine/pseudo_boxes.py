@@ -7,13 +7,20 @@ own per-class NMS:
 
 1. classes: only detections of the image's labels are kept (its "class filter");
 2. score: per class, the top-scoring detection is always kept, the others only with a score of at least
-   ``min_score`` (its ``t_keep``, default 0.2);
-3. containment: a kept box of class c is dropped when at least ``containment`` (its ``t_con``, 0.85) of
-   its area lies inside another kept box of class c: the part gives way to the whole object, the
-   failure that weakly-supervised models are known for (a face for a person). Classes listed in
-   ``containment_exempt`` skip this step (SoS-WSOD exempts seven VOC classes by default, those whose
-   objects stand in groups and nest in each other's boxes: bottle, bus, car, chair, cow, pottedplant,
-   sheep; configs/stage2_experiment/ lists them for VOC).
+   ``min_score`` (its ``t_keep``, default 0.2). The float32 score is compared in double precision with
+   the threshold as given, as pgf.py compares the scores of its json (doubles) with its Python float
+   (line 238): a score of exactly float32(0.7) = 0.69999998... is below 0.7 and dropped, and so is
+   float32(0.9) below 0.9, where comparing in float32 would keep both;
+3. containment: a kept box of class c is dropped when its intersection with another kept box of class
+   c, divided by its area + 1e-6, is at least ``containment`` (its ``t_con``, 0.85): the part gives way
+   to the whole object, the failure that weakly-supervised models are known for (a face for a person).
+   The 1e-6 and the ``>=`` are pgf.py's (``contain_cal``, lines 209-219, and line 259): a box exactly
+   ``containment`` inside another stays, and ``containment: 1.0`` drops nothing, not even a box lying
+   wholly inside another. Classes listed in ``containment_exempt`` skip this step (SoS-WSOD exempts
+   seven VOC classes by default, those whose objects stand in groups and nest in each other's boxes:
+   bottle, bus, car, chair, cow, pottedplant, sheep; configs/stage2_experiment/ lists them for VOC).
+
+Line numbers are those of suilin0432/SoS-WSOD's ``tools/pgf.py`` at commit 12d0b3b.
 
 Differences, each so that every labelled class keeps at least one box (the second stage must see every
 object class the image holds): of two boxes that contain each other (near-identical boxes, which the
@@ -38,7 +45,7 @@ from torch import Tensor
 
 from wsod.data.box_formats import inclusive_box_iou
 
-__all__ = ["PseudoBoxRule", "select_pseudo_boxes", "containment", "pseudo_box_quality"]
+__all__ = ["PseudoBoxRule", "select_pseudo_boxes", "containment", "pseudo_box_quality", "SOS_AREA_EPSILON"]
 
 
 @dataclass(frozen=True)
@@ -49,7 +56,8 @@ class PseudoBoxRule:
         min_score: a class's boxes after its top one are kept from this score up (SoS-WSOD ``t_keep``);
             1.0 keeps exactly one box per labelled class.
         containment: a box this share of which lies inside another kept box of its class is dropped
-            (SoS-WSOD ``t_con``); None switches the step off.
+            (SoS-WSOD ``t_con``; the share is measured against the box's area + 1e-6, so 1.0 drops
+            nothing); None switches the step off.
         containment_exempt: class indices that skip the containment step.
     """
 
@@ -58,15 +66,20 @@ class PseudoBoxRule:
     containment_exempt: tuple[int, ...] = ()
 
 
-def containment(boxes: Tensor) -> Tensor:
-    """(N, 4) wsod boxes -> (N, N): entry [i, j] is the share of box i's area (inclusive pixels) inside
-    box j."""
+# pgf.py's contain_cal (lines 209-219) divides the intersection by the area + 1e-6, in pixels as here.
+SOS_AREA_EPSILON = 1e-6
+
+
+def containment(boxes: Tensor, epsilon: float = 0.0) -> Tensor:
+    """(N, 4) wsod boxes -> (N, N) float64: entry [i, j] is the share of box i's area (inclusive pixels)
+    inside box j, the intersection divided by box i's area + ``epsilon`` (the containment step passes
+    ``SOS_AREA_EPSILON``)."""
     boxes = boxes.double()
     lt = torch.maximum(boxes[:, None, :2], boxes[None, :, :2])
     rb = torch.minimum(boxes[:, None, 2:], boxes[None, :, 2:])
     inter = (rb - lt + 1).clamp(min=0).prod(dim=2)
     area = ((boxes[:, 2:] - boxes[:, :2] + 1).clamp(min=0)).prod(dim=1)
-    return inter / area.clamp(min=1e-12)[:, None]
+    return inter / (area + epsilon).clamp(min=1e-12)[:, None]
 
 
 def select_pseudo_boxes(
@@ -101,7 +114,8 @@ def select_pseudo_boxes(
             continue
         order = mine[torch.sort(scores[mine], descending=True, stable=True).indices]
         c_boxes, c_scores = boxes[order], scores[order]
-        keep = c_scores >= rule.min_score
+        # In double, against the Python float: pgf.py line 238 (module docstring, step 2).
+        keep = c_scores.double() >= rule.min_score
         keep[0] = True  # the top box of a labelled class, whatever its score
         c_boxes, c_scores = c_boxes[keep], c_scores[keep]
         if rule.containment is not None and c not in rule.containment_exempt and len(c_boxes) > 1:
@@ -125,7 +139,7 @@ def _not_contained(boxes: Tensor, threshold: float) -> Tensor:
     """Boxes of one class, by decreasing score -> which survive the containment step: box i gives way to
     a box j holding ``threshold`` of its area, unless i also holds ``threshold`` of j's and comes first
     (scores in order: the higher one stays); the first box stays when all would go."""
-    inside = containment(boxes) >= threshold  # [i, j]: i lies in j
+    inside = containment(boxes, SOS_AREA_EPSILON) >= threshold  # [i, j]: i lies in j (pgf.py line 259)
     n = len(boxes)
     inside.fill_diagonal_(False)
     earlier = torch.ones(n, n, dtype=torch.bool).triu(diagonal=1)  # [i, j]: i comes before j

@@ -3,6 +3,8 @@ recall. Boxes are float32 ``(R, 4)`` ``x1 y1 x2 y2``, 0-based inclusive pixels o
 
 One concept per module, each importing only the ones above it in this list (so there is no cycle):
 
+- ``safe_pickle``: the restricted unpickler every proposal pickle is read with (numpy arrays, dicts,
+  lists and plain values; anything else is refused with ``UnsafePickleError`` before it runs);
 - ``sets``: ``ProposalSet`` (lookup by image id, recorded image sizes), ``proposal_key``, the loading
   rules (``filter_proposals``) and the errors of a lookup;
 - ``store``: ``ProposalStore``, a ``ProposalSet`` memory-mapped from a ``<name>.proposals`` directory;
@@ -26,6 +28,7 @@ from wsod.data.proposals.io import (
     write_proposal_mat,
     write_proposal_pickle,
 )
+from wsod.data.proposals.safe_pickle import UnsafePickleError
 from wsod.data.proposals.sets import (
     ImageId,
     MissingProposalsError,
@@ -47,6 +50,7 @@ from wsod.data.proposals.store import (
 __all__ = [
     "MissingProposalsError",
     "ProposalSizeError",
+    "UnsafePickleError",
     "ProposalSet",
     "proposal_key",
     "filter_proposals",

@@ -8,7 +8,10 @@ Formats:
 - Reference pickle (``.pkl`` / ``.pickle``): a dict with ``'boxes'`` (list of float ``(R_i, 4)`` arrays,
   0-based ``x1 y1 x2 y2``), ``'scores'`` (list of ``(R_i,)`` arrays; read but unused) and ``'indexes'``
   (image ids; detectron2's ``'ids'`` is accepted too). Files written by Python 2 are read with latin1
-  decoding. Only load pickles you trust: unpickling can run code.
+  decoding. They are read with ``wsod.data.proposals.safe_pickle``'s restricted unpickler, which builds
+  numpy arrays, dicts, lists and plain values only: a file that asks for anything else (a function to
+  call, another class) is refused with ``UnsafePickleError``, naming the file and what it asked for,
+  before that runs.
 - MATLAB ``.mat`` releases (the common Selective Search VOC release): ``'boxes'``, a cell of ``(R_i, 4)``
   arrays, and ``'images'``, a cell of image ids; optional ``'scores'``. Their boxes are ``y1 x1 y2 x2``,
   1-based inclusive by default (``box_order="yxyx", one_based=True``): the stored row
@@ -41,6 +44,7 @@ import scipy.io
 
 from wsod.atomic import atomic_write
 from wsod.data.box_formats import from_one_based, to_one_based, xyxy_to_yxyx, yxyx_to_xyxy
+from wsod.data.proposals.safe_pickle import RestrictedUnpickler, UnsafePickleError
 from wsod.data.proposals.sets import ImageId, ProposalSet, _a, _as_boxes, _as_scores, _as_sizes
 from wsod.data.proposals.store import ProposalStore, is_store_path, write_proposal_store
 
@@ -80,13 +84,14 @@ def _keys(data: dict) -> str:
 
 
 def read_proposal_pickle(path: str | os.PathLike) -> ProposalSet:
-    """Read the reference pickle format (see the module docstring). A file that does not unpickle, or
-    holds another structure, is a ``ValueError`` naming the file and the field, and what is expected."""
+    """Read the reference pickle format (see the module docstring) with the restricted unpickler. A file
+    that asks for more than a proposal pickle holds is an ``UnsafePickleError``; one that does not
+    unpickle, or holds another structure, a ``ValueError``; both name the file, and what is expected."""
     try:
         with open(path, "rb") as f:
-            data = pickle.load(f, encoding="latin1")
-    except OSError:
-        raise  # not found, no permission: the message names the file already
+            data = RestrictedUnpickler(f, source=str(path), encoding="latin1").load()
+    except (OSError, UnsafePickleError):
+        raise  # not found, no permission, refused: the message names the file already
     except Exception as e:  # a text file, an image, a truncated pickle: unpickling raises nearly any type
         raise ValueError(
             f"{path}: not a readable pickle ({type(e).__name__}: {e}); expected a proposal pickle,"

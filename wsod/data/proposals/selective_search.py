@@ -44,6 +44,7 @@ from wsod.atomic import atomic_write
 from wsod.data.box_formats import opencv_rects_to_xyxy
 from wsod.data.image_io import read_image_rgb
 from wsod.data.proposals.io import write_proposal_pickle
+from wsod.data.proposals.safe_pickle import load_restricted_pickle
 from wsod.data.proposals.sets import ProposalSet, filter_proposals
 from wsod.data.proposals.store import is_store_path, write_proposal_store
 
@@ -219,8 +220,9 @@ def generate_proposals(
     merged: dict[str, list] = {"ids": [], "boxes": [], "sizes": []}
     unsized = 0  # images of shards from a wsod that did not record sizes
     for path in shard_paths:
-        with open(path, "rb") as f:
-            shard = pickle.load(f)
+        # Restricted like any proposal pickle: a parts folder can be copied from elsewhere, or written to
+        # by another user, and the merge must not run what a planted shard asks for.
+        shard = load_restricted_pickle(path)
         merged["ids"] += shard["ids"]
         merged["boxes"] += shard["boxes"]
         if "sizes" not in shard:
