@@ -40,7 +40,7 @@ def _config(overrides: list[str]):
 
 
 def _finite(path: Path) -> bool:
-    weights = torch.load(path, weights_only=False)["model"]
+    weights = torch.load(path, weights_only=True)["model"]
     return all(torch.isfinite(v).all() for v in weights.values() if v.is_floating_point())
 
 

@@ -84,7 +84,7 @@ def test_train_tool_writes_a_complete_run_directory_and_eval_tool_reads_it(tiny_
 
 
 def _final_weights(run_dir: Path) -> dict[str, torch.Tensor]:
-    return torch.load(run_dir / "model_final.pth", weights_only=False)["model"]
+    return torch.load(run_dir / "model_final.pth", weights_only=True)["model"]
 
 
 # The third variant (about 20 s) is slow: tests/engine/test_balancing.py resumes inside the window too.
@@ -133,7 +133,7 @@ def test_resumed_run_reaches_the_same_weights(tiny_toy_root, tmp_path, caplog, m
     for name, value in reference.items():
         torch.testing.assert_close(ours[name], value, rtol=0, atol=0, msg=name)
     # The interrupted run really diverged from scratch: the weights moved between iterations 2 and 4.
-    two = torch.load(interrupted / "model_0000002.pth", weights_only=False)
+    two = torch.load(interrupted / "model_0000002.pth", weights_only=True)
     assert any(not torch.equal(two["model"][n], v) for n, v in reference.items() if v.is_floating_point())
     assert ("adversary" in two) == ("balancer" in two) == dropblock
     if dropblock:  # the adversarial step moved the DropBlock between iterations 2 and 4

@@ -10,6 +10,7 @@ import os
 import re
 import shlex
 import shutil
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -20,8 +21,10 @@ from hydra import compose, initialize_config_dir
 from pycocotools.coco import COCO
 from tiny_run import TINY_TOY, tiny_overrides
 
+import wsod.engine.train as train_module
 from wsod.config_checks import ConfigError
 from wsod.data.toy import ensure_toy_dataset
+from wsod.engine.interrupt import TrainingInterrupted
 from wsod.engine.train import NonFiniteLossError
 from wsod.run import evaluate_from_config, predict_from_config, train_from_config
 from wsod.stage2 import export_from_config, train_stage2_from_config
@@ -181,27 +184,38 @@ def test_predict_takes_a_second_stage_checkpoint_without_selective_search(
     assert all(0 <= p["category_id"] - 1 < 5 for p in predictions)
 
 
-def test_a_resumed_second_stage_run_reaches_the_same_weights(pipeline, tiny_toy_root, tmp_path):
+def test_a_second_stage_run_stopped_by_ctrl_c_resumes_to_the_same_weights(
+    pipeline, tiny_toy_root, tmp_path, monkeypatch
+):
     workdir, _ = pipeline
     pseudo = workdir / "runs" / "toy_stage1" / "pseudo_labels" / "pseudo_labels.json"
     base = [f"pseudo_labels={pseudo}", *_short(tiny_toy_root, "stage2"), "random_baseline=false"]
     straight = tmp_path / "straight"
     train_stage2_from_config(_compose("stage2", [*base, f"output_dir={straight}"]))
+
+    logged = train_module._log_step
+
+    def log_then_press_ctrl_c(run_log, bar, iteration, *rest):
+        logged(run_log, bar, iteration, *rest)
+        if iteration == 3:  # off the checkpoint period (2): the stop saves its own checkpoint
+            os.kill(os.getpid(), signal.SIGINT)
+
+    monkeypatch.setattr(train_module, "_log_step", log_then_press_ctrl_c)
     interrupted = tmp_path / "interrupted"
-    shutil.copytree(straight, interrupted)
-    for name in ("model_0000004.pth", "model_final.pth"):
-        (interrupted / name).unlink()
-    shutil.rmtree(interrupted / "eval")
+    with pytest.raises(TrainingInterrupted, match="after iteration 3/4: saved"):
+        train_stage2_from_config(_compose("stage2", [*base, f"output_dir={interrupted}"]))
+    assert (interrupted / "model_0000003.pth").is_file() and not (interrupted / "model_final.pth").exists()
+    monkeypatch.undo()
     summary = train_stage2_from_config(
         _compose("stage2", [*base, f"output_dir={interrupted}", "resume=true"])
     )
     assert summary["iteration"] == 4
-    ours = torch.load(interrupted / "model_final.pth", weights_only=False)
-    reference = torch.load(straight / "model_final.pth", weights_only=False)["model"]
+    ours = torch.load(interrupted / "model_final.pth", weights_only=True)
+    reference = torch.load(straight / "model_final.pth", weights_only=True)["model"]
     assert ours["metadata"]["architecture"] == "faster_rcnn"
     for name, value in reference.items():
         torch.testing.assert_close(ours["model"][name], value, rtol=0, atol=0, msg=name)
-    two = torch.load(interrupted / "model_0000002.pth", weights_only=False)["model"]
+    two = torch.load(interrupted / "model_0000002.pth", weights_only=True)["model"]
     assert any(not torch.equal(two[n], v) for n, v in reference.items() if v.is_floating_point())
     with pytest.raises(ConfigError, match="detector.fpn_channels: 16 -> 32"):
         train_stage2_from_config(

@@ -272,7 +272,7 @@ def test_companions_are_called_at_fixed_points_of_each_step_and_checkpointed_by_
     rows = _rows(tmp_path)
     assert [r.get("recorded_steps") for r in rows] == [1.0, None, 2.0]
     assert all(r["recorder_value"] == 1.5 for r in rows)
-    two = torch.load(tmp_path / "model_0000002.pth", weights_only=False)
+    two = torch.load(tmp_path / "model_0000002.pth", weights_only=True)
     assert two["recorder"] == {"steps": 1}
 
     (tmp_path / "model_0000003.pth").unlink()
@@ -336,9 +336,9 @@ def test_periodic_evaluations_keep_the_best_checkpoint_and_the_final_one_comes_l
     )
     assert summary["best"] == {"value": 0.3, "iteration": 2, "metric": "mAP"}
     assert summary["eval"] == {"mAP": 0.2}  # evaluations before the last step only: 1, 2, 3
-    best = torch.load(tmp_path / "model_best.pth", weights_only=False)
+    best = torch.load(tmp_path / "model_best.pth", weights_only=True)
     assert best["best"] == summary["best"] and best["trainer"]["iteration"] == 2
-    final = torch.load(tmp_path / "model_final.pth", weights_only=False)
+    final = torch.load(tmp_path / "model_final.pth", weights_only=True)
     assert final["iteration"] == 4 and (tmp_path / "model_0000004.pth").is_file()  # the end's checkpoint
     for name, value in model.state_dict().items():
         assert torch.equal(final["model"][name], value), name
