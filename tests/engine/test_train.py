@@ -8,6 +8,7 @@ from __future__ import annotations
 import itertools
 import json
 import math
+import warnings
 from types import SimpleNamespace
 
 import pytest
@@ -405,4 +406,17 @@ def test_seconds_per_step_divide_by_the_steps_of_each_window(tmp_path, monkeypat
     assert [(r["iteration"], r["seconds_per_iter"]) for r in rows if r["kind"] == "train"] == [
         (3, 1.0),
         (5, 1.0),
+    ]
+
+
+def test_a_skipped_first_step_moves_the_schedule_without_torchs_order_warning(tmp_path):
+    """The schedule counts skipped steps too; torch would take a skipped first step for a scheduler
+    stepped before its optimizer and warn."""
+    model, optimizer, scheduler = _setup(poisoned={1})
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        summary = _run(model, optimizer, scheduler, tmp_path, max_iter=2)
+    assert summary["skipped_steps"] == 1 and scheduler.last_epoch == 2
+    assert not [w for w in caught if "lr_scheduler.step()" in str(w.message)], [
+        str(w.message) for w in caught
     ]

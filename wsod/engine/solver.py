@@ -8,6 +8,7 @@ scheduler step happens every N batches, so the recipe's iteration numbers keep t
 from __future__ import annotations
 
 import bisect
+import warnings
 from collections.abc import Iterable, Sequence
 
 import torch
@@ -144,6 +145,10 @@ def rescale_momentum(
     return rescaled
 
 
+# torch's warning when a scheduler steps before its optimizer ever has (torch.optim.lr_scheduler).
+_SCHEDULER_BEFORE_OPTIMIZER = r"Detected call of `lr_scheduler\.step\(\)` before `optimizer\.step\(\)`"
+
+
 class WarmupMultiStepLR(torch.optim.lr_scheduler.LambdaLR):
     """``LambdaLR`` on a ``WarmupMultiStep`` schedule that, with ``momentum_rescale``, rescales SGD momentum
     buffers at every large learning-rate change (``rescale_momentum``), right after the learning rate
@@ -163,7 +168,12 @@ class WarmupMultiStepLR(torch.optim.lr_scheduler.LambdaLR):
 
     def step(self, epoch: int | None = None) -> None:
         previous = [group["lr"] for group in self.optimizer.param_groups]
-        super().step(epoch)
+        with warnings.catch_warnings():
+            # The schedule counts optimizer steps taken or skipped (a non-finite step moves it on, so
+            # that a resumed run's rates stay those of its iteration). torch takes a first step that
+            # was skipped for the order mistake it warns about; this is the one place that happens.
+            warnings.filterwarnings("ignore", _SCHEDULER_BEFORE_OPTIMIZER, UserWarning)
+            super().step(epoch)
         if self.momentum_rescale:
             rescale_momentum(self.optimizer, previous)
 
