@@ -49,6 +49,7 @@ __all__ = [
     "load_detector",
     "prepare_data",
     "build_train_dataset",
+    "check_partial_labels_read",
     "build_test_dataset",
     "build_export_datasets",
     "build_stage2_train_dataset",
@@ -276,6 +277,28 @@ def build_train_dataset(data_cfg: DictConfig) -> Dataset:
         for source in train.sets
     ]
     return sets[0] if len(sets) == 1 else ConcatWeakDataset(sets)
+
+
+def check_partial_labels_read(train_set: Dataset, method: RefinementMethod) -> None:
+    """Refuse training images that carry partial labels (a side file's, or a COCO json's own ``point`` /
+    ``scribble`` / ``use_as``) when the method's class declares it does not read them
+    (``RefinementMethod.reads_partial_labels``), before step 1: the detector's own check fires only on a
+    batch that draws a labelled image, at a random step or never. ``check_config`` refuses a side file
+    for such a method earlier still; this also covers labels inside the annotation file and a method
+    given by import path. One ``ValueError`` naming the file and the method."""
+    if method.reads_partial_labels:
+        return
+    readers = " or ".join(f"method={n}" for n, c in METHODS.items() if c.reads_partial_labels)
+    for i, dataset in enumerate(getattr(train_set, "datasets", [train_set])):
+        labelled = sum(1 for r in dataset.records if r.supervision)
+        if labelled:
+            source = dataset.partial_labels_file or getattr(dataset, "annotation_file", None)
+            raise ValueError(
+                f"{source or f'data.train.sets.{i}'}: partial labels (points, scribbles, boxes) on {labelled}"
+                f" of {len(dataset.records)} training images, which {type(method).__name__} does not read"
+                f" (it would train on the image labels alone); train with a method that reads them"
+                f" ({readers}) or give data.train.sets.{i} a file without them"
+            )
 
 
 def build_export_datasets(data_cfg: DictConfig) -> list[WeakDetectionDataset]:
