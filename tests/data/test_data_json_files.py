@@ -1,6 +1,7 @@
 """wsod/data/json_files.py and its readers: a file that is not json (a checkpoint, a pickle, binary data,
-broken text, a folder) where a COCO json, a partial-label side file or a pseudo-label file is expected is
-one line naming the file, why, and what was expected; a json of the wrong kind names its missing field."""
+broken text, a folder) where a COCO json, a partial-label side file, a pseudo-label file or COCO results
+are expected is one line naming the file, why, and what was expected; a json of the wrong kind names its
+missing field."""
 
 from __future__ import annotations
 
@@ -14,11 +15,14 @@ from wsod.data.coco import read_coco_json
 from wsod.data.json_files import read_json, require_keys, whole_number
 from wsod.data.partial_labels import read_partial_labels_file
 from wsod.data.pseudo_boxes import read_pseudo_boxes
+from wsod.evaluation.coco import evaluate_coco
 
 READERS = {
     "coco annotations": (read_coco_json, "a COCO json"),
     "partial labels side file": (read_partial_labels_file, "a partial labels side file"),
     "pseudo labels": (lambda path: read_pseudo_boxes(path, ("cat",)), "a COCO instances json"),
+    # The results file is read before the ground truth is looked at.
+    "coco results": (lambda path: evaluate_coco(path, {}), "a COCO results json"),
 }
 
 
