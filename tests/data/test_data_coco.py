@@ -120,7 +120,7 @@ def test_missing_image_file_is_an_error(tmp_path, jpeg, write_json, caplog):
     (tmp_path / "images" / "img_7.jpg").unlink()
     with pytest.raises(FileNotFoundError, match=r"img_7\.jpg"):
         CocoDataset(path, tmp_path / "images", _proposals([42, 7, 100]))
-    with pytest.raises(ValueError, match="none of the 3 images has an image-level label"):
+    with pytest.raises(ValueError, match=r"annotations\.json: none of its 3 images has a label"):
         CocoDataset(path, tmp_path / "images", _proposals([42, 7, 100]), drop_unlabelled=True)
 
 

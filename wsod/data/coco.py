@@ -325,6 +325,13 @@ class CocoDataset(WeakDetectionDataset):
         if self.annotation_file.is_file():  # before the read: a rewrite during it is seen later too
             self._file_state = _file_state(self.annotation_file)
         records, self.category_ids, classes = load_coco_records(annotation_file, image_root)
+        if drop_unlabelled and not any(r.labels.any() for r in records):
+            # Said here, where the file is known: the base class would refuse it without naming it.
+            raise ValueError(
+                f"{annotation_file}: none of its {len(records)} images has a label (no annotation names a"
+                " category on them, crowd regions aside); training needs image-level labels: give the"
+                " annotations, one per image and class present is enough"
+            )
         self.category_index: dict[Hashable, int] = {c: i for i, c in enumerate(self.category_ids)}
         super().__init__(
             records,
