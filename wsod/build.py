@@ -291,14 +291,18 @@ def check_partial_labels_read(train_set: Dataset, method: RefinementMethod) -> N
     readers = " or ".join(f"method={n}" for n, c in METHODS.items() if c.reads_partial_labels)
     for i, dataset in enumerate(getattr(train_set, "datasets", [train_set])):
         labelled = sum(1 for r in dataset.records if r.supervision)
-        if labelled:
-            source = dataset.partial_labels_file or getattr(dataset, "annotation_file", None)
-            raise ValueError(
-                f"{source or f'data.train.sets.{i}'}: partial labels (points, scribbles, boxes) on {labelled}"
-                f" of {len(dataset.records)} training images, which {type(method).__name__} does not read"
-                f" (it would train on the image labels alone); train with a method that reads them"
-                f" ({readers}) or give data.train.sets.{i} a file without them"
-            )
+        if not labelled:
+            continue
+        if dataset.partial_labels_file is not None:  # a side file: the labels come from it alone
+            source, drop = dataset.partial_labels_file, f"drop data.train.sets.{i}.partial_labels"
+        else:  # a COCO json's own point / scribble / use_as fields
+            source = getattr(dataset, "annotation_file", f"data.train.sets.{i}")
+            drop = f"give data.train.sets.{i}.annotations a file without point, scribble and use_as"
+        raise ValueError(
+            f"{source}: partial labels (points, scribbles, boxes) on {labelled} of {len(dataset.records)}"
+            f" training images, which {type(method).__name__} does not read (it would train on the image"
+            f" labels alone); train with a method that reads them ({readers}) or {drop}"
+        )
 
 
 def build_export_datasets(data_cfg: DictConfig) -> list[WeakDetectionDataset]:
