@@ -14,8 +14,8 @@
 ``--per object``) that get each kind (``0.1``, ``1/3``; together at most 1); the others keep image labels
 only. Points and scribbles lie inside each object's mask where the data has one (COCO's segmentations,
 the toy set's drawn shapes), else inside its box; ``wsod/data/partial_label_simulation.py`` has the
-rules. ``--seed`` makes another draw; the same command writes the same file. A fraction that gives no unit a
-kind (``--boxes 0.001`` of 600 images rounds to none) is an error, not a file that labels nothing.
+rules. ``--seed`` makes another draw; the same command writes the same file. A fraction that gives no
+unit a kind (``--boxes 0.001`` of 600 images rounds to none) is an error, not a file that labels nothing.
 
 ``toy`` reads the toy set at ``--root``, which must hold one; without ``--root`` it reads ``data/toy``,
 making it there on first use as ``tools/train.py`` does (800 images and their proposals: minutes).
