@@ -1,9 +1,12 @@
 """wsod/build.py: refinement methods from method configs (by name or import path), checkpoints back into
 detectors (load_detector, old layouts included), GradNorm's loss count, the training transform and the
-scheduler from their configs."""
+scheduler from their configs, and the refusal of partial labels for a method that does not read them."""
 
 from __future__ import annotations
 
+import json
+
+import numpy as np
 import pytest
 import torch
 from omegaconf import OmegaConf
@@ -17,9 +20,12 @@ from wsod.build import (
     build_optimizer,
     build_scheduler,
     build_train_dataset,
+    check_partial_labels_read,
     load_detector,
 )
+from wsod.data.toy import TOY_CLASSES
 from wsod.engine.checkpoint import save_checkpoint
+from wsod.modeling.pcl import PCLMethod, WSDDNMethod
 from wsod.modeling.refinement import MISTLabeler, MISTMethod, OICRLabeler, OICRMethod
 
 TINY_MODEL = {"backbone": "resnet18", "width": 0.25, "weights": None, "chunk_size": 8}
@@ -136,3 +142,77 @@ def test_threads_auto_takes_the_cores_less_the_loader_workers_and_a_number_as_gi
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "4")  # torchrun, 4 processes on this node: 2 cores each
     assert resolve_threads("auto", 1) == 1 and resolve_threads("auto", 0) == 2
     assert resolve_threads(3, 2) == 3 and resolve_threads(None, 2) is None and resolve_threads(0, 2) is None
+
+
+def _toy_sets(tiny_toy_root, partial_labels):
+    """A config's train sets (train, val) on the tiny toy set, each with its side file or None."""
+    train = {"scales": [64], "max_size": 200, "flip": False, "max_proposals": None, "lighting_std": 0.0}
+    sets = [
+        {"image_set": split, "partial_labels": None if path is None else str(path)}
+        for split, path in zip(("train", "val"), partial_labels, strict=True)
+    ]
+    data_cfg = OmegaConf.create(
+        {"kind": "toy", "root": str(tiny_toy_root), **TINY_TOY, "train": {**train, "sets": sets}}
+    )
+    return build_train_dataset(data_cfg)
+
+
+def _side_file_of_one_image(tiny_toy_root, tmp_path, image_set):
+    """A side file with one point, on the first image of ``image_set``: 1 of the set's 6 images."""
+    from wsod.data.toy import ensure_toy_dataset
+
+    record = ensure_toy_dataset(tiny_toy_root, **TINY_TOY).dataset(image_set).records[0]
+    x1, y1, x2, y2 = record.gt_boxes[0].tolist()
+    name = TOY_CLASSES[int(record.gt_labels[0])]
+    path = tmp_path / f"{image_set}_one_point.json"
+    path.write_text(json.dumps({"images": {record.image_id: [{"class": name, "point": [x1 + 1, y1 + 1]}]}}))
+    return path
+
+
+@pytest.mark.parametrize("method", [PCLMethod(), WSDDNMethod()], ids=["pcl", "wsddn"])
+def test_training_images_with_partial_labels_are_refused_for_a_method_that_does_not_read_them(
+    tiny_toy_root, tmp_path, method
+):
+    """Before step 1, whichever image carries the labels: the detector's own check waited for a batch
+    to draw it. The message names the file (here the second set's) and the method."""
+    side = _side_file_of_one_image(tiny_toy_root, tmp_path, "val")
+    train_set = _toy_sets(tiny_toy_root, [None, side])
+    with pytest.raises(ValueError) as error:
+        check_partial_labels_read(train_set, method)
+    assert str(error.value) == (
+        f"{side}: partial labels (points, scribbles, boxes) on 1 of 6 training images, which"
+        f" {type(method).__name__} does not read (it would train on the image labels alone); train with a"
+        " method that reads them (method=mist or method=oicr) or drop data.train.sets.1.partial_labels"
+    )
+    check_partial_labels_read(train_set, MISTMethod())  # MIST reads them
+    check_partial_labels_read(_toy_sets(tiny_toy_root, [None, None]), method)  # no labels: nothing to refuse
+
+
+def test_partial_labels_inside_a_coco_json_are_refused_naming_it(tmp_path):
+    from PIL import Image
+
+    from wsod.data.coco import CocoDataset
+    from wsod.data.proposals import ProposalSet
+
+    (tmp_path / "images").mkdir()
+    Image.new("RGB", (60, 40)).save(tmp_path / "images" / "1.jpg")
+    annotations = tmp_path / "instances_points.json"
+    annotations.write_text(
+        json.dumps(
+            {
+                "images": [{"id": 1, "file_name": "1.jpg", "height": 40, "width": 60}],
+                "categories": [{"id": 1, "name": "cat"}],
+                "annotations": [{"id": 1, "image_id": 1, "category_id": 1, "point": [10, 10]}],
+            }
+        )
+    )
+    proposals = ProposalSet([1], [np.array([[0, 0, 20, 20]], np.float32)])
+    dataset = CocoDataset(annotations, tmp_path / "images", proposals)
+    with pytest.raises(ValueError) as error:
+        check_partial_labels_read(dataset, PCLMethod())
+    assert str(error.value) == (
+        f"{annotations}: partial labels (points, scribbles, boxes) on 1 of 1 training images, which PCLMethod"
+        " does not read (it would train on the image labels alone); train with a method that reads them"
+        " (method=mist or method=oicr) or give data.train.sets.0.annotations a file without point, scribble"
+        " and use_as"
+    )

@@ -25,6 +25,9 @@ from wsod.config_checks import (
     flatten,
     resume_changes,
 )
+from wsod.modeling import METHODS
+from wsod.modeling.pcl import PCLMethod
+from wsod.modeling.refinement import MISTMethod
 
 ROOT = Path(__file__).resolve().parents[1]
 CONFIGS = ROOT / "configs"
@@ -205,3 +208,90 @@ def test_the_rules_added_with_the_coverage_test_name_the_key(name, overrides, me
 @pytest.mark.parametrize("year", ["data.test.set.year=2012", "data.test.set.year='2012'"])
 def test_a_voc_year_is_accepted_as_hydra_parses_it_number_or_string(year):
     check_config(_config(["data=voc07", year]))
+
+
+class _MISTWithoutPartialLabels(MISTMethod):
+    """MIST as a user's method that declares it does not read partial labels."""
+
+    reads_partial_labels = False
+
+
+class _PCLReadingPartialLabels(PCLMethod):
+    """PCL as a user's method that declares it does read them."""
+
+    reads_partial_labels = True
+
+
+def _refusal(index: int, path: str, method: str, cls: str) -> str:
+    return (
+        f"data.train.sets.{index}.partial_labels='{path}': method={method} ({cls}) does not read partial"
+        " labels (points, scribbles, boxes) and would train on the image labels alone; train with a method"
+        f" that reads them (method=mist or method=oicr) or drop data.train.sets.{index}.partial_labels"
+    )
+
+
+@pytest.mark.parametrize(("method", "cls"), [("pcl", "PCLMethod"), ("wsddn", "WSDDNMethod")])
+def test_partial_labels_for_a_method_that_does_not_read_them_are_refused_before_anything_runs(
+    tmp_path, method, cls
+):
+    """Through train_from_config, what tools/train.py calls: PCL and WSDDN refused a labelled image only
+    when a batch drew one, so a file labelling 0.1% of the images trained to the end with its labels
+    unused. The refusal comes before a run folder or the toy set is made, whatever the file holds."""
+    from wsod.run import train_from_config
+
+    side = tmp_path / "one_image_in_a_thousand.json"
+    side.write_text(json.dumps({"images": {"000000": [{"class": "red_circle", "point": [5, 5]}]}}))
+    run, root = tmp_path / "run", tmp_path / "toy"
+    overrides = [f"method={method}", f"data.train.sets.0.partial_labels={side}"]
+    cfg = _config([*overrides, f"output_dir={run}", f"data.root={root}"])
+    with pytest.raises(ConfigError) as error:
+        train_from_config(cfg)
+    assert str(error.value) == "invalid configuration:\n  " + _refusal(0, str(side), method, cls)
+    assert not run.exists() and not root.exists()
+
+
+def test_the_refusal_follows_the_methods_declaration_not_its_name(monkeypatch):
+    side = ["data.train.sets.0.partial_labels=points.json"]
+    for method in ("mist", "oicr"):
+        check_config(_config([f"method={method}", *side]))
+    check_config(_config(["method=pcl"]))  # no partial labels: nothing to refuse
+    monkeypatch.setitem(METHODS, "pcl_reading", _PCLReadingPartialLabels)
+    check_config(_config(["method=pcl", "method.name=pcl_reading", *side]))
+    monkeypatch.setitem(METHODS, "mist_ignoring", _MISTWithoutPartialLabels)
+    with pytest.raises(ConfigError) as error:
+        check_config(_config(["method.name=mist_ignoring", *side]))
+    # The methods named as the fix are the ones that declare they read partial labels, this one too.
+    expected = _refusal(0, "points.json", "mist_ignoring", "_MISTWithoutPartialLabels")
+    readers = "(method=mist or method=oicr or method=pcl_reading)"
+    assert str(error.value).splitlines()[1].strip() == expected.replace(
+        "(method=mist or method=oicr)", readers
+    )
+
+
+def test_a_method_given_by_import_path_is_checked_by_its_declaration():
+    name = f"{__name__}:_MISTWithoutPartialLabels"
+    with pytest.raises(
+        ConfigError, match=r"method=.*:_MISTWithoutPartialLabels \(_MISTWithoutPartialLabels\)"
+    ):
+        check_config(_config([f"method.name={name}", "data.train.sets.0.partial_labels=points.json"]))
+    check_config(
+        _config(
+            [f"method.name={__name__}:_PCLReadingPartialLabels", "data.train.sets.0.partial_labels=p.json"]
+        )
+    )
+    # One that cannot be imported is left to the build, which names the import problem.
+    check_config(_config(["method.name=no_such_module:Method", "data.train.sets.0.partial_labels=p.json"]))
+
+
+def test_every_train_set_with_partial_labels_is_named():
+    sets = (
+        "data.train.sets=[{image_set:train,partial_labels:a.json},{image_set:val,partial_labels:null},"
+        "{image_set:test,partial_labels:b.json}]"
+    )
+    with pytest.raises(ConfigError) as error:
+        check_config(_config(["method=pcl", sets]))
+    lines = str(error.value).splitlines()[1:]
+    assert [line.strip() for line in lines] == [
+        _refusal(0, "a.json", "pcl", "PCLMethod"),
+        _refusal(2, "b.json", "pcl", "PCLMethod"),
+    ]

@@ -128,3 +128,131 @@ def test_coco_points_lie_in_the_polygon_and_every_annotation_says_how_it_is_used
     assert 40 <= x <= 50 and 5 <= y <= 15  # inside the box where there is no mask
     (record,), _, _ = load_coco_records(out, tmp_path / "images")
     assert record.supervision["points"].shape == (2, 2)
+
+
+def _tool():
+    spec = importlib.util.spec_from_file_location("make_partial_labels_tool", TOOL)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def _refused(capsys, arguments) -> str:
+    """The one line the tool prints when it refuses ``arguments`` (exit status 2, as argparse's)."""
+    with pytest.raises(SystemExit) as stop:
+        _main()(arguments)
+    assert stop.value.code == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1, err  # one line, no usage block
+    return err.strip()
+
+
+@pytest.mark.parametrize(
+    ("value", "problem"),
+    [("abc", "'abc' is not a fraction"), ("1/0", "'1/0' is not a fraction"), ("2", "'2' is outside [0, 1]")],
+)
+def test_a_bad_fraction_names_the_option_the_value_and_what_is_accepted(tmp_path, capsys, value, problem):
+    """argparse used to print ``invalid parse_fraction value: 'abc'`` after a usage block."""
+    line = _refused(capsys, ["toy", "--scribbles", value, "--output", str(tmp_path / "x.json")])
+    assert line.endswith(
+        f" toy: error: argument --scribbles: {problem}; give a number in [0, 1], as a decimal (0.1) or a"
+        " ratio (1/3)"
+    )
+
+
+def test_a_root_that_holds_no_toy_set_is_refused_and_nothing_is_made(tmp_path, capsys):
+    """A mistyped --root used to make a whole new toy set there (minutes), silently."""
+    typo = tmp_path / "tyo"
+    line = _refused(
+        capsys, ["toy", "--root", str(typo), "--points", "1", "--output", str(tmp_path / "p.json")]
+    )
+    assert line.endswith(
+        f" toy: error: --root {typo}: no such folder; give the folder of a toy set made before"
+        " (tools/train.py data.root=<folder> makes one there) or leave --root out to use data/toy, made on"
+        " first use"
+    )
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    line = _refused(
+        capsys, ["toy", "--root", str(empty), "--points", "1", "--output", str(tmp_path / "p.json")]
+    )
+    assert f"--root {empty}: no toy set in it ({empty / 'toy.json'} is missing);" in line
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["empty"] and not any(empty.iterdir())
+
+
+def test_without_root_the_default_toy_set_is_read(tiny_toy_root, tmp_path, monkeypatch):
+    tool = _tool()
+    monkeypatch.setattr(tool, "DEFAULT_TOY_ROOT", tiny_toy_root)  # data/toy, here already made
+    out = tmp_path / "points.json"
+    assert tool.main(["toy", "--points", "1", "--output", str(out)]) == 0
+    assert len(json.loads(out.read_text())["images"]) == 12
+
+
+def test_fractions_that_label_nothing_or_more_than_everything_are_refused(tiny_toy_root, tmp_path, capsys):
+    root, out = str(tiny_toy_root), str(tmp_path / "x.json")
+    line = _refused(capsys, ["toy", "--root", root, "--points", "1/2", "--boxes", "0.01", "--output", out])
+    assert line.endswith(
+        " toy: error: --boxes 0.01 gives no image with objects a box (0.01 of 12 rounds to none); give at"
+        " least 1/12"
+    )
+    line = _refused(capsys, ["toy", "--root", root, "--points", "0.7", "--boxes", "1/2", "--output", out])
+    assert line.endswith(
+        " toy: error: --points 0.7 + --boxes 0.5 add up to 1.2 > 1; each image gets one kind at most"
+    )
+    assert not (tmp_path / "x.json").exists()
+
+
+def test_a_coco_file_of_another_kind_names_the_file_and_the_missing_field(tmp_path):
+    """A side file or a checkpoint given as --annotations failed with a bare KeyError ('categories') or
+    UnicodeDecodeError; a json without boxes or sizes, with a KeyError ('bbox', 'height')."""
+    import torch
+
+    side = tmp_path / "points.json"
+    side.write_text(json.dumps({"images": {"000001": [{"class": "cat", "point": [1, 2]}]}}))
+    arguments = ["--points", "1", "--output", str(tmp_path / "out.json")]
+    with pytest.raises(ValueError) as error:
+        _main()(["coco", "--annotations", str(side), *arguments])
+    assert str(error.value) == (
+        f"{side}: no 'categories' list, or an empty one; expected a COCO json with non-empty 'images' and"
+        " 'categories' lists and an 'annotations' list"
+    )
+    checkpoint = tmp_path / "model_final.pth"
+    torch.save({"model": {}}, checkpoint)
+    with pytest.raises(ValueError, match=rf"^{checkpoint}: not a JSON file \(a zip archive, as a PyTorch"):
+        _main()(["coco", "--annotations", str(checkpoint), *arguments])
+    labels_only = tmp_path / "labels.json"
+    labels_only.write_text(
+        json.dumps(
+            {
+                "images": [{"id": 1, "file_name": "1.jpg"}],
+                "categories": [{"id": 1, "name": "cat"}],
+                "annotations": [{"image_id": 1, "category_id": 1}],
+            }
+        )
+    )
+    with pytest.raises(
+        ValueError, match=rf"^{labels_only}: its annotations have no 'bbox' \(image labels only\)"
+    ):
+        _main()(["coco", "--annotations", str(labels_only), *arguments])
+    unsized = tmp_path / "unsized.json"
+    unsized.write_text(
+        json.dumps(
+            {
+                "images": [{"id": 1, "file_name": "1.jpg"}],
+                "categories": [{"id": 1, "name": "cat"}],
+                "annotations": [
+                    {
+                        "image_id": 1,
+                        "category_id": 1,
+                        "bbox": [1, 1, 5, 5],
+                        "segmentation": [[1, 1, 5, 1, 3, 5]],
+                    }
+                ],
+            }
+        )
+    )
+    with pytest.raises(
+        ValueError, match=rf"^{unsized}: images\[0\] \(id 1\) has height None and width None;"
+    ):
+        _main()(["coco", "--annotations", str(unsized), *arguments])
+    assert not (tmp_path / "out.json").exists()

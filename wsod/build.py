@@ -49,6 +49,7 @@ __all__ = [
     "load_detector",
     "prepare_data",
     "build_train_dataset",
+    "check_partial_labels_read",
     "build_test_dataset",
     "build_export_datasets",
     "build_stage2_train_dataset",
@@ -277,6 +278,32 @@ def build_train_dataset(data_cfg: DictConfig) -> Dataset:
         for source in train.sets
     ]
     return sets[0] if len(sets) == 1 else ConcatWeakDataset(sets)
+
+
+def check_partial_labels_read(train_set: Dataset, method: RefinementMethod) -> None:
+    """Refuse training images that carry partial labels (a side file's, or a COCO json's own ``point`` /
+    ``scribble`` / ``use_as``) when the method's class declares it does not read them
+    (``RefinementMethod.reads_partial_labels``), before step 1: the detector's own check fires only on a
+    batch that draws a labelled image, at a random step or never. ``check_config`` refuses a side file
+    for such a method earlier still; this also covers labels inside the annotation file and a method
+    given by import path. One ``ValueError`` naming the file and the method."""
+    if method.reads_partial_labels:
+        return
+    readers = " or ".join(f"method={n}" for n, c in METHODS.items() if c.reads_partial_labels)
+    for i, dataset in enumerate(getattr(train_set, "datasets", [train_set])):
+        labelled = sum(1 for r in dataset.records if r.supervision)
+        if not labelled:
+            continue
+        if dataset.partial_labels_file is not None:  # a side file: the labels come from it alone
+            source, drop = dataset.partial_labels_file, f"drop data.train.sets.{i}.partial_labels"
+        else:  # a COCO json's own point / scribble / use_as fields
+            source = getattr(dataset, "annotation_file", f"data.train.sets.{i}")
+            drop = f"give data.train.sets.{i}.annotations a file without point, scribble and use_as"
+        raise ValueError(
+            f"{source}: partial labels (points, scribbles, boxes) on {labelled} of {len(dataset.records)}"
+            f" training images, which {type(method).__name__} does not read (it would train on the image"
+            f" labels alone); train with a method that reads them ({readers}) or {drop}"
+        )
 
 
 def build_export_datasets(data_cfg: DictConfig) -> list[WeakDetectionDataset]:

@@ -15,6 +15,7 @@ either applied for real by the training code (and listed) or refused with the re
 from __future__ import annotations
 
 import math
+import pkgutil
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -28,7 +29,7 @@ from wsod.data.folder import SPLITS as FOLDER_SPLITS
 from wsod.data.proposals.selective_search import MODES as SELECTIVE_SEARCH_MODES
 from wsod.evaluation import METRICS
 from wsod.modeling import BACKBONES, METHODS
-from wsod.modeling.method import MOVED_TO_METHOD
+from wsod.modeling.method import MOVED_TO_METHOD, RefinementMethod
 
 __all__ = [
     "ConfigError",
@@ -423,6 +424,7 @@ def check_config(cfg: DictConfig | Mapping[str, Any], rules: Mapping[str, _Rule]
     if rules is TRAIN_RULES:
         problems += _auto_chunk_problems(flat)
         problems += _student_problems(flat)
+        problems += _partial_label_problems(flat)
     if problems:
         raise ConfigError("invalid configuration:\n  " + "\n  ".join(problems))
 
@@ -437,6 +439,47 @@ def _student_problems(flat: Mapping[str, Any]) -> list[str]:
     if METHODS[name].trains_students and students < 1:
         return [f"method.num_students={students}: method={name} trains refinement students; at least 1"]
     return []
+
+
+def _method_class(name: Any) -> type[RefinementMethod] | None:
+    """The class ``method.name`` names: a built-in's, or a user's import path (``module:Class``) resolved
+    as ``wsod.build.build_method`` does; None when it cannot be (the build names that problem)."""
+    if name in METHODS:
+        return METHODS[name]
+    if not isinstance(name, str) or not (":" in name or "." in name):
+        return None
+    try:
+        found = pkgutil.resolve_name(name)
+    except Exception:  # whatever a user's module raises on import: build_method reports it in full
+        return None
+    return found if isinstance(found, type) and issubclass(found, RefinementMethod) else None
+
+
+def _partial_label_problems(flat: Mapping[str, Any]) -> list[str]:
+    """A train set's partial-label side file for a method whose class declares it does not read them
+    (``RefinementMethod.reads_partial_labels``): refused here, before anything is built, whatever share
+    of the images the file labels. The detector's own check fires only on a batch holding a labelled
+    image: at a random step, or never, when few images are labelled (the run then ends with the labels
+    silently unused)."""
+    sets = flat.get("data.train.sets")
+    files = [
+        (i, s["partial_labels"])
+        for i, s in enumerate(sets if isinstance(sets, list | tuple) else [])
+        if isinstance(s, Mapping) and s.get("partial_labels") is not None
+    ]
+    if not files:
+        return []
+    name = flat.get("method.name")
+    method_class = _method_class(name)
+    if method_class is None or method_class.reads_partial_labels:
+        return []
+    readers = " or ".join(f"method={n}" for n, c in METHODS.items() if c.reads_partial_labels)
+    return [
+        f"data.train.sets.{i}.partial_labels={_show(path)}: method={name} ({method_class.__name__}) does not"
+        f" read partial labels (points, scribbles, boxes) and would train on the image labels alone; train"
+        f" with a method that reads them ({readers}) or drop data.train.sets.{i}.partial_labels"
+        for i, path in files
+    ]
 
 
 def _auto_chunk_problems(flat: Mapping[str, Any]) -> list[str]:

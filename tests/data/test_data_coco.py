@@ -120,7 +120,7 @@ def test_missing_image_file_is_an_error(tmp_path, jpeg, write_json, caplog):
     (tmp_path / "images" / "img_7.jpg").unlink()
     with pytest.raises(FileNotFoundError, match=r"img_7\.jpg"):
         CocoDataset(path, tmp_path / "images", _proposals([42, 7, 100]))
-    with pytest.raises(ValueError, match="none of the 3 images has an image-level label"):
+    with pytest.raises(ValueError, match=r"annotations\.json: none of its 3 images has a label"):
         CocoDataset(path, tmp_path / "images", _proposals([42, 7, 100]), drop_unlabelled=True)
 
 
@@ -227,6 +227,35 @@ BAD_ENTRIES = {
         r"annotations\[0\] has no 'id' and would be numbered 1, the id of annotations\[1\]",
     ),
     "annotations not a list": (lambda d: d.update(annotations={}), r"'annotations' is not a list"),
+    # int() of these once failed with "invalid literal for int()" or a TypeError, naming no file.
+    "width with a unit": (
+        lambda d: d["images"][1].update(width="20px"),
+        r"images\[1\] \(id 7\) has width '20px'; expected a whole number of pixels \(e.g. 640\), or leave"
+        r" 'width' out to read the size from the image file$",
+    ),
+    "height a list": (
+        lambda d: d["images"][0].update(height=[20]),
+        r"images\[0\] \(id 42\) has height \[20\]",
+    ),
+    "fractional width": (
+        lambda d: d["images"][2].update(width=20.5),
+        r"images\[2\] \(id 100\) has width 20.5",
+    ),
+    "negative width": (lambda d: d["images"][2].update(width=-20), r"images\[2\] \(id 100\) has width -20"),
+    # A list as a class name once loaded, then failed as "unhashable type: 'list'" far from the file.
+    "category name a list": (
+        lambda d: d["categories"][1].update(name=["person"]),
+        r"categories\[1\] \(id 1\) has name \['person'\]; a class name is one non-empty string",
+    ),
+    "file_name a list": (
+        lambda d: d["images"][1].update(file_name=["img_7.jpg"]),
+        r"images\[1\] \(id 7\) has file_name \['img_7.jpg'\]; expected the image's path",
+    ),
+    "no categories": (
+        lambda d: d.pop("categories"),
+        r"no 'categories' list, or an empty one; expected a COCO json with non-empty 'images' and"
+        r" 'categories' lists",
+    ),
 }
 
 
@@ -238,6 +267,18 @@ def test_a_bad_entry_is_an_error_naming_the_file_and_field(tmp_path, write_json,
     path = write_json(data, "bad.json")
     with pytest.raises(ValueError, match=r"^.*bad\.json: " + message):
         load_coco_records(path, tmp_path / "images")
+
+
+@pytest.mark.parametrize(("width", "height"), [(20.0, "20"), (None, None), (0, 0)])
+def test_a_stated_size_may_be_an_integral_number_or_digits_and_a_missing_one_is_read(
+    tmp_path, jpeg, write_json, width, height
+):
+    jpeg(tmp_path / "images" / "img_7.jpg", 30, 20)
+    data = _valid()
+    data["images"] = [{"id": 7, "file_name": "img_7.jpg", "width": width, "height": height}]
+    data["annotations"] = data["annotations"][1:]
+    (record,), _, _ = load_coco_records(write_json(data, "sizes.json"), tmp_path / "images")
+    assert (record.height, record.width) == ((30, 20) if width is None or width == 0 else (20, 20))
 
 
 def test_a_json_that_is_not_an_object_names_the_file(tmp_path, write_json):

@@ -127,6 +127,48 @@ def test_a_side_file_for_other_images_is_an_error_and_unknown_ids_are_skipped_wi
         _open(voc, tmp_path / "missing.json")
 
 
+@pytest.mark.parametrize(
+    "images",
+    [{}, {"a": [], "b": []}, {"a": [], "zzz": []}],
+    ids=["no image", "images without objects", "an unknown image without objects"],
+)
+def test_a_side_file_that_labels_nothing_is_refused_naming_it(voc, tmp_path, images):
+    """Such a file trained on image labels alone while the command named partial labels."""
+    partial = _side_file(tmp_path, images)
+    with pytest.raises(ValueError) as error:
+        _open(voc, partial)
+    assert str(error.value) == (
+        f"{partial}: labels no object ({len(images)} images, none with a point, scribble or box); give a"
+        " file that does (tools/make_partial_labels.py with a larger fraction), or drop the train set's"
+        " partial_labels"
+    )
+
+
+def test_a_side_file_that_labels_none_of_the_sets_images_is_refused_naming_it(voc, tmp_path):
+    """A trainval file whose labelled images all lie in the other split labels nothing of this one."""
+    partial = _side_file(tmp_path, {"a": [], "b": [], "zzz": [{"class": "cat", "point": [5, 5]}]})
+    with pytest.raises(ValueError) as error:
+        _open(voc, partial)
+    assert str(error.value) == (
+        f"{partial}: labels none of this set's 2 images (the images it labels, 1, are all outside the set);"
+        " give the set a file that labels some of its images, or drop its partial_labels"
+    )
+
+
+@pytest.mark.parametrize("name", [["cat"], {"name": "cat"}, 3, None])
+def test_a_class_that_is_not_a_string_is_refused_naming_the_object(voc, tmp_path, name):
+    """A class given as a list once failed with a bare ``TypeError: unhashable type: 'list'``."""
+    partial = _side_file(
+        tmp_path, {"a": [{"class": "cat", "point": [5, 5]}, {"class": name, "point": [5, 5]}]}
+    )
+    with pytest.raises(ValueError) as error:
+        _open(voc, partial)
+    assert str(error.value).startswith(f"{partial}: image 'a' (")
+    assert str(error.value).endswith(
+        f"object 1: class is {name!r}; expected one class name, a string, e.g. 'cat'"
+    )
+
+
 def _coco(tmp_path, jpeg, annotations):
     jpeg(tmp_path / "images" / "1.jpg", 40, 60)
     data = {

@@ -109,14 +109,57 @@ def _edit(tmp_path, voc, change):
         ),
         (lambda c: c["annotations"][0].update(bbox=[1, 2, 3]), "annotation 1: bbox"),
         (lambda c: c["images"][0].pop("width"), "lacks id, file_name, width or height"),
-        (lambda c: c.pop("annotations"), "expected a COCO instances json"),
+        (lambda c: c.pop("annotations"), "no 'annotations' field .*; expected a COCO instances json"),
+        (lambda c: c.pop("categories"), "no 'categories' field .*; expected a COCO instances json"),
+        (lambda c: c.update(images={}), "'images' is an object, not a list; expected a COCO instances"),
+        # Sizes and ids of a kind the reader cannot use (int() and dict lookups failed without a name).
+        (
+            lambda c: c["images"][0].update(width="60px"),
+            r"images\[0\] \(id 7, file_name '000007.jpg'\): width is '60px'; expected a whole number",
+        ),
+        (lambda c: c["images"][1].update(height=[50]), r"images\[1\] .*: height is \[50\]; expected a whole"),
+        (lambda c: c["images"][1].update(id=[12]), r"images\[1\] \(id \[12\], .*neither an integer nor a"),
+        (lambda c: c["categories"][0].update(id=[1]), r"categories\[0\] is .*; expected \{\"id\": integer"),
+        (lambda c: c["annotations"][0].update(image_id=[7]), r"annotation 1: image_id \[7\] is none of its"),
+        (lambda c: c["annotations"][0].update(category_id=[1]), r"annotation 1: category_id \[1\] is none"),
     ],
 )
 def test_bad_entries_are_named_with_the_file(voc, tmp_path, change, message):
     path = _edit(tmp_path, voc, change)
     with pytest.raises(ValueError, match=message) as error:
         read_pseudo_boxes(path, CLASSES)
-    assert str(path) in str(error.value)
+    assert str(path) in str(error.value) and "\n" not in str(error.value)
+
+
+@pytest.mark.parametrize("key", ["annotations", "images"])
+def test_a_file_without_any_box_is_refused_naming_it(voc, tmp_path, key):
+    """``"annotations": []`` once trained every image as background alone, ending with exit 0."""
+    path = _edit(tmp_path, voc, lambda c: c.update({key: []}))
+    with pytest.raises(ValueError, match=f"pseudo boxes file {path}: '{key}' is empty: there is nothing"):
+        attach_pseudo_boxes(voc.records, CLASSES, path)
+
+
+def test_an_image_given_twice_is_refused_naming_both_entries(voc, tmp_path):
+    """A second entry with the file name of the first left that image with no box; a reused id moved
+    the boxes of one image onto the other."""
+    path = _edit(tmp_path, voc, lambda c: c["images"].append({**c["images"][0], "id": 99}))
+    with pytest.raises(ValueError) as error:
+        attach_pseudo_boxes(voc.records, CLASSES, path)
+    assert str(error.value) == (
+        f"pseudo boxes file {path}: images[2] (id 99, file_name '000007.jpg') has the file_name of"
+        " images[0] (id 7): one entry per image (the second would replace the first's boxes); export the"
+        " file again"
+    )
+    path = _edit(tmp_path, voc, lambda c: c["images"][1].update(id=7))
+    with pytest.raises(ValueError) as error:
+        attach_pseudo_boxes(voc.records, CLASSES, path)
+    assert str(error.value).startswith(
+        f"pseudo boxes file {path}: images[1] (id 7, file_name '000012.jpg') has the id of images[0]"
+        " (file_name '000007.jpg'): image ids must be unique"
+    )
+    path = _edit(tmp_path, voc, lambda c: c["categories"].append({"id": 1, "name": "dog"}))
+    with pytest.raises(ValueError, match=r"categories\[3\] has id 1, as categories\[0\] does"):
+        read_pseudo_boxes(path, CLASSES)
 
 
 def test_other_images_are_refused_by_size_and_by_name(voc, tmp_path):
@@ -129,7 +172,7 @@ def test_other_images_are_refused_by_size_and_by_name(voc, tmp_path):
     with pytest.raises(FileNotFoundError, match="export_pseudo_labels.py"):
         read_pseudo_boxes(tmp_path / "missing.json", CLASSES)
     (tmp_path / "bad.json").write_text("{not json")
-    with pytest.raises(ValueError, match="bad.json: not valid json"):
+    with pytest.raises(ValueError, match=r"bad.json: not a JSON file \(Expecting property name"):
         read_pseudo_boxes(tmp_path / "bad.json", CLASSES)
 
 

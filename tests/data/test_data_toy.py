@@ -6,8 +6,10 @@ import filecmp
 import json
 import os
 import pickle
+import signal
 import subprocess
 import sys
+import time
 
 import numpy as np
 import pytest
@@ -105,3 +107,33 @@ def test_generation_shows_progress_and_cleans_up_after_killed_generations(tmp_pa
     ensure_toy_dataset(tmp_path / "toy", num_train=2, num_test=1, workers=1, progress=True)
     assert not abandoned.exists() and alive.is_dir()
     assert "toy images" in capsys.readouterr().err  # tqdm's bar, on stderr
+
+
+def test_a_generation_killed_with_sigterm_removes_its_staging_folder(tmp_path):
+    """``kill`` (SIGTERM) once ended a generation on the spot, leaving ``.toy.tmp-<pid>`` behind."""
+    script = (
+        "import sys; from wsod.data.toy import ensure_toy_dataset;"
+        " ensure_toy_dataset(sys.argv[1], num_train=5000, num_test=1, workers=1)"
+    )
+    root = tmp_path / "toy"
+    process = subprocess.Popen([sys.executable, "-c", script, str(root)], stderr=subprocess.PIPE, text=True)
+    staging = tmp_path / f".toy.tmp-{process.pid}"
+    deadline = time.monotonic() + 120
+    while not (staging / "VOCdevkit").is_dir() and process.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert process.poll() is None, process.stderr.read()  # still generating: 5,000 images take a while
+    process.send_signal(signal.SIGTERM)
+    assert process.wait(timeout=60) == 128 + signal.SIGTERM
+    assert list(tmp_path.iterdir()) == []  # neither the staging folder nor a half dataset
+
+
+def test_an_abandoned_staging_folder_is_removed_when_the_dataset_is_already_there(tiny_toy, tmp_path):
+    """After a kill -9 the next call cleans up, even one that only opens the finished set."""
+    dead = subprocess.run(
+        [sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True
+    )
+    abandoned = tiny_toy.root.parent / f".{tiny_toy.root.name}.tmp-{int(dead.stdout)}"
+    abandoned.mkdir()
+    manifest = json.loads((tiny_toy.root / "toy.json").read_text())
+    ensure_toy_dataset(tiny_toy.root, num_train=manifest["num_train"], num_test=manifest["num_test"])
+    assert not abandoned.exists()

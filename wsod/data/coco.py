@@ -10,7 +10,10 @@ Accepted json (the COCO instances format; fields marked * are optional)::
 Label-only data (custom images with image-level labels) uses the same file with annotations that have
 no ``bbox``: one annotation per (image, class present) is enough. Either every annotation has a ``bbox``
 (the dataset then has ground truth for evaluation) or none has; a mix is an error. Sizes missing from
-``images`` are read from the image file headers. ``file_name`` is relative to ``image_root``.
+``images`` are read from the image file headers; a stated size is a whole number of pixels (``640``,
+``640.0`` or ``"640"``), anything else an error naming the entry. ``file_name`` is relative to
+``image_root``. A file that is not json at all (a checkpoint given by mistake) is one error line naming
+it (``wsod.data.json_files``).
 
 One normalisation (``normalise_coco``) serves training and evaluation alike: the optional annotation
 fields pycocotools indexes get their defaults (``id`` i + 1, ``iscrowd`` 0, ``area`` the box's w * h; a
@@ -37,7 +40,6 @@ from __future__ import annotations
 import contextlib
 import functools
 import io
-import json
 import logging
 import math
 import numbers
@@ -51,9 +53,12 @@ from pycocotools.coco import COCO
 
 from wsod.data.box_formats import coco_xywh_to_xyxy
 from wsod.data.dataset import ImageRecord, Transform, WeakDetectionDataset, image_size_from_header
+from wsod.data.json_files import read_json, whole_number
 from wsod.data.partial_labels import partial_labels_of_coco_annotation, supervision_of
 from wsod.data.proposals import ProposalSet
 
+# What a COCO annotation file is, for the errors about one that is not.
+_EXPECTED = "a COCO json with non-empty 'images' and 'categories' lists and an 'annotations' list"
 # Annotation fields that make partial labels (wsod.data.partial_labels).
 _PARTIAL_FIELDS = frozenset({"point", "scribble", "use_as"})
 
@@ -65,14 +70,9 @@ logger = logging.getLogger(__name__)
 def read_coco_json(path: str | os.PathLike) -> COCO:
     """Read a COCO-format json, check and normalise it (``normalise_coco``) into a pycocotools ``COCO``
     index: the ground truth both training's records and the COCO evaluation are built from."""
-    try:
-        with open(path) as f:
-            data = json.load(f)
-    except FileNotFoundError:
-        raise FileNotFoundError(f"annotation file not found: {path}") from None
-    except json.JSONDecodeError as e:
-        raise ValueError(f"{path}: not valid json ({e})") from e
-    return coco_index(normalise_coco(data, path))
+    if not Path(path).exists():
+        raise FileNotFoundError(f"annotation file not found: {path}")
+    return coco_index(normalise_coco(read_json(path, _EXPECTED), path))
 
 
 def coco_index(data: dict[str, Any]) -> COCO:
@@ -111,7 +111,7 @@ def normalise_coco(data: Any, source: str | os.PathLike) -> dict[str, Any]:
         )
     for key in ("images", "categories"):
         if not data.get(key):
-            raise ValueError(f"{source}: no '{key}' list, or an empty one")
+            raise ValueError(f"{source}: no '{key}' list, or an empty one; expected {_EXPECTED}")
     annotations = data.setdefault("annotations", [])
     for key in ("images", "categories", "annotations"):
         if not isinstance(data[key], list):
@@ -230,6 +230,11 @@ def load_coco_records(
     for i, category in enumerate(coco.dataset["categories"]):
         if "name" not in category:
             raise ValueError(f"{annotation_file}: categories[{i}] (id {category['id']!r}) has no 'name'")
+        if not isinstance(category["name"], str) or not category["name"].strip():
+            raise ValueError(
+                f"{annotation_file}: categories[{i}] (id {category['id']!r}) has name {category['name']!r};"
+                ' a class name is one non-empty string, e.g. "cat"'
+            )
     category_ids = tuple(sorted(coco.cats))
     class_names = tuple(coco.cats[c]["name"] for c in category_ids)
     index_of = {c: i for i, c in enumerate(category_ids)}
@@ -238,8 +243,13 @@ def load_coco_records(
     for i, image in enumerate(coco.dataset["images"]):
         if "file_name" not in image:
             raise ValueError(f"{annotation_file}: images[{i}] (id {image['id']!r}) has no 'file_name'")
+        if not isinstance(image["file_name"], str) or not image["file_name"]:
+            raise ValueError(
+                f"{annotation_file}: images[{i}] (id {image['id']!r}) has file_name {image['file_name']!r};"
+                " expected the image's path under the image folder, one string"
+            )
         path = Path(image_root) / image["file_name"]
-        height, width = image.get("height", 0), image.get("width", 0)
+        height, width = _stated_size(image, annotation_file, i)
         if not height or not width:
             height, width = image_size_from_header(path)
         anns = [a for a in coco.imgToAnns.get(image["id"], []) if not a.get("iscrowd", 0)]
@@ -274,6 +284,22 @@ def load_coco_records(
     return records, category_ids, class_names
 
 
+def _stated_size(image: dict[str, Any], source: str | os.PathLike, index: int) -> tuple[int, int]:
+    """``images[index]``'s (height, width) as whole pixel counts; 0 for one it leaves out (or gives as 0
+    or null), which the caller reads from the image file's header. Errors name ``source`` and the entry."""
+    size = []
+    for key in ("height", "width"):
+        value = image.get(key)
+        pixels = 0 if value is None else whole_number(value)
+        if pixels is None or pixels < 0:
+            raise ValueError(
+                f"{source}: images[{index}] (id {image['id']!r}) has {key} {value!r}; expected a whole number"
+                f" of pixels (e.g. 640), or leave '{key}' out to read the size from the image file"
+            )
+        size.append(pixels)
+    return size[0], size[1]
+
+
 class CocoDataset(WeakDetectionDataset):
     """A COCO-format json with proposals, e.g. ``CocoDataset(ann_json, "data/coco/train2017", p)``.
 
@@ -299,6 +325,13 @@ class CocoDataset(WeakDetectionDataset):
         if self.annotation_file.is_file():  # before the read: a rewrite during it is seen later too
             self._file_state = _file_state(self.annotation_file)
         records, self.category_ids, classes = load_coco_records(annotation_file, image_root)
+        if drop_unlabelled and not any(r.labels.any() for r in records):
+            # Said here, where the file is known: the base class would refuse it without naming it.
+            raise ValueError(
+                f"{annotation_file}: none of its {len(records)} images has a label (no annotation names a"
+                " category on them, crowd regions aside); training needs image-level labels: give the"
+                " annotations, one per image and class present is enough"
+            )
         self.category_index: dict[Hashable, int] = {c: i for i, c in enumerate(self.category_ids)}
         super().__init__(
             records,

@@ -42,6 +42,7 @@ import logging
 import os
 from collections.abc import Callable, Hashable, Mapping, Sequence
 from dataclasses import dataclass
+from pathlib import Path
 
 import numpy as np
 import torch
@@ -160,6 +161,8 @@ class WeakDetectionDataset(Dataset):
                     len(records),
                 )
             records = kept
+        # Kept to name the file in errors about its labels (e.g. a method that cannot read them).
+        self.partial_labels_file = None if partial_labels is None else Path(partial_labels)
         if partial_labels is not None:
             records = attach_partial_labels(records, self.classes, partial_labels)
         counts = count_partial_labels(records)

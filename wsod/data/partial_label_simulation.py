@@ -29,6 +29,7 @@ __all__ = [
     "SCRIBBLE_WAYPOINTS",
     "SCRIBBLE_MARGIN",
     "SimulatedObject",
+    "FRACTION_FORMS",
     "parse_fraction",
     "choose_kinds",
     "simulate_point",
@@ -48,14 +49,19 @@ class SimulatedObject:
     mask: np.ndarray | None = None
 
 
+# What parse_fraction accepts, said in its errors.
+FRACTION_FORMS = "a number in [0, 1], as a decimal (0.1) or a ratio (1/3)"
+
+
 def parse_fraction(text: str) -> float:
-    """``"0.1"``, ``"1/3"`` or ``"1"`` -> a float in [0, 1]; ValueError otherwise."""
+    """``"0.1"``, ``"1/3"`` or ``"1"`` -> a float in [0, 1]; ValueError (the value and what is accepted)
+    otherwise."""
     try:
         value = float(Fraction(text))
     except (ValueError, ZeroDivisionError):
-        raise ValueError(f"{text!r} is not a fraction (e.g. 0.1 or 1/3)") from None
+        raise ValueError(f"{text!r} is not a fraction; give {FRACTION_FORMS}") from None
     if not 0.0 <= value <= 1.0:
-        raise ValueError(f"a fraction must be in [0, 1], got {text}")
+        raise ValueError(f"{text!r} is outside [0, 1]; give {FRACTION_FORMS}")
     return value
 
 

@@ -22,7 +22,8 @@ Where they come from:
                              {"class": "person", "box": [x1, y1, x2, y2]}]}}
 
   Image ids of the file that the set does not hold are skipped with one logged count (a trainval file
-  serves the train split too); a file that shares no id with the set is an error.
+  serves the train split too); a file that shares no id with the set, labels no object at all, or
+  labels none of the set's images is an error (training would silently run on image labels alone).
 
 ``supervision_of`` turns an image's partial labels into the targets fields of ``wsod.data.targets``
 (``points`` / ``point_labels``, ``scribble_points`` / ``scribble_labels`` / ``scribble_ids``, ``boxes`` /
@@ -30,11 +31,12 @@ Where they come from:
 (``wsod.modeling.partial_labels``). An image without partial labels has no such fields and trains
 exactly as with image labels alone.
 
-Errors name the file and the annotation (``where``): an unknown class; a class that is not among the
-image's labels (it would teach a class the image-level loss calls absent); a point outside the image; a
-scribble with no point, with x and y lists of different lengths, or leaving the image; a box with
-x2 <= x1 or y2 <= y1 (x y w h read as x1 y1 x2 y2 looks like that) or outside the image; an object with
-none or two of point, scribble and box in a side file.
+Errors name the file and the annotation (``where``): a file that is not json (``wsod.data.json_files``);
+an unknown class, or one that is not a string; a class that is not among the image's labels (it would
+teach a class the image-level loss calls absent); a point outside the image; a scribble with no point,
+with x and y lists of different lengths, or leaving the image; a box with x2 <= x1 or y2 <= y1 (x y w h
+read as x1 y1 x2 y2 looks like that) or outside the image; an object with none or two of point, scribble
+and box in a side file.
 """
 
 from __future__ import annotations
@@ -52,6 +54,7 @@ from typing import Any, Literal
 import numpy as np
 
 from wsod.atomic import atomic_write
+from wsod.data.json_files import read_json, require_keys
 
 __all__ = [
     "KINDS",
@@ -66,6 +69,12 @@ __all__ = [
 ]
 
 logger = logging.getLogger(__name__)
+
+# What a side file is, for the errors about one that is not.
+_EXPECTED = (
+    'a partial labels side file, {"images": {image id: [{"class": name, "point" | "scribble" | "box":'
+    " ...}, ...]}}"
+)
 
 Kind = Literal["point", "scribble", "box"]
 KINDS: tuple[Kind, ...] = ("point", "scribble", "box")
@@ -210,16 +219,20 @@ def read_partial_labels_file(path: str | os.PathLike) -> dict[str, list[dict[str
     path = Path(path)
     if not path.is_file():
         raise FileNotFoundError(f"partial labels file not found: {path}")
-    try:
-        data = json.loads(path.read_text())
-    except json.JSONDecodeError as e:
-        raise ValueError(f"{path}: not a valid json file ({e})") from e
-    images = data.get("images") if isinstance(data, dict) else None
-    if not isinstance(images, dict):
-        raise ValueError(f"{path}: expected a json object with an 'images' object (image id -> objects)")
+    data = read_json(path, _EXPECTED)
+    require_keys(data, path, {"images": dict}, _EXPECTED)
+    images = data["images"]
     for image_id, objects in images.items():
         if not isinstance(objects, list):
             raise ValueError(f"{path}: images[{image_id!r}] is not a list of objects")
+    if not any(images.values()):
+        # A fraction that rounds to no image, or a file of another kind: training would run on image
+        # labels alone while the command says partial labels.
+        raise ValueError(
+            f"{path}: labels no object ({len(images)} images, none with a point, scribble or box); give a"
+            " file that does (tools/make_partial_labels.py with a larger fraction), or drop the train"
+            " set's partial_labels"
+        )
     return images
 
 
@@ -251,6 +264,7 @@ def attach_partial_labels(
             "%s: %d of %d image ids are not in this dataset: skipped", path, len(unknown), len(images)
         )
     out = list(records)
+    attached = 0
     for image_id, objects in images.items():
         if image_id not in by_id:
             continue
@@ -262,6 +276,10 @@ def attach_partial_labels(
             if not isinstance(obj, dict):
                 raise ValueError(f"{at}: not a json object")
             name = obj.get("class")
+            if not isinstance(name, str):  # a list would not even be looked up (unhashable)
+                raise ValueError(
+                    f"{at}: class is {name!r}; expected one class name, a string, e.g. {classes[0]!r}"
+                )
             if name not in class_index:
                 raise ValueError(f"{at}: class {name!r} is not one of the dataset's classes {list(classes)}")
             kinds = [k for k in KINDS if k in obj]
@@ -281,6 +299,14 @@ def attach_partial_labels(
                 " give partial labels in one place: the annotations or the side file"
             )
         out[by_id[image_id]] = replace(record, supervision=supervision)
+        attached += 1
+    if not attached:  # e.g. a trainval file whose few labelled images are all in the other split
+        labelled = sum(1 for objects in images.values() if objects)
+        raise ValueError(
+            f"{path}: labels none of this set's {len(records)} images (the images it labels, {labelled},"
+            " are all outside the set); give the set a file that labels some of its images, or drop its"
+            " partial_labels"
+        )
     return out
 
 

@@ -20,10 +20,14 @@ Reading it back (``read_pseudo_boxes``, ``attach_pseudo_boxes``): images are mat
 ``file_name`` under the dataset's own common image folder, whatever absolute path it has on this
 machine; each matched record gets the boxes as its ``supervision`` (``boxes`` (G, 4), ``box_labels``
 (G,), ``wsod.data.targets``), which the transforms move with the image. Errors name the file and the
-entry: categories that are not the dataset's classes, an annotation of an unknown image or category, a
-bbox that is not four finite numbers with w, h >= 0, an image whose size differs from the dataset's, a
-file matching none of the dataset's images. Dataset images the file does not hold (no labels, or
-another split) are dropped from training with one logged count.
+entry: a file that is not json (a checkpoint given by mistake; ``wsod.data.json_files``) or lacks one of
+the three lists; no image or no annotation at all (training would see only background); categories that
+are not the dataset's classes; two image entries with one id or one file name (naming both: the second
+would take the first's boxes or leave it none); a size that is not a whole number of pixels; an
+annotation of an unknown image or category; a bbox that is not four finite numbers with w, h >= 0; an
+image whose size differs from the dataset's; a file matching none of the dataset's images. Dataset
+images the file does not hold (no labels, or another split) are dropped from training with one logged
+count.
 """
 
 from __future__ import annotations
@@ -43,6 +47,7 @@ import torch
 from wsod.atomic import atomic_write
 from wsod.data.box_formats import coco_xywh_to_xyxy
 from wsod.data.dataset import ImageRecord
+from wsod.data.json_files import read_json, require_keys, whole_number
 
 __all__ = [
     "images_root",
@@ -140,8 +145,88 @@ def write_pseudo_boxes(content: Mapping[str, Any], path: str | os.PathLike) -> P
     return Path(path)
 
 
+# What a pseudo boxes file is, for the errors about one that is not.
+_EXPECTED = (
+    "a COCO instances json of tools/export_pseudo_labels.py (pseudo_labels/pseudo_labels.json in the"
+    " run folder) with images, annotations and categories lists"
+)
+
+
 def _fail(path: str | os.PathLike, problem: str) -> ValueError:
     return ValueError(f"pseudo boxes file {path}: {problem}")
+
+
+def _is_id(value: Any) -> bool:
+    """A json id the reader can look up: an integer or a string (a list or an object is no id)."""
+    return isinstance(value, int | str) and not isinstance(value, bool)
+
+
+def _read_categories(path: Path, categories: list[Any], classes: Sequence[str]) -> dict[Any, int]:
+    """category id -> class index, each category an object ``{"id", "name"}`` naming a dataset class."""
+    label_of: dict[Any, int] = {}
+    first: dict[Any, int] = {}  # category id -> index of the entry that gives it
+    unknown = []
+    for i, category in enumerate(categories):
+        if not isinstance(category, dict) or not _is_id(category.get("id")):
+            raise _fail(path, f'categories[{i}] is {category!r}; expected {{"id": integer, "name": string}}')
+        if category["id"] in first:
+            raise _fail(
+                path,
+                f"categories[{i}] has id {category['id']!r}, as categories[{first[category['id']]}] does:"
+                " category ids must be unique",
+            )
+        first[category["id"]] = i
+        name = category.get("name")
+        if not isinstance(name, str) or name not in classes:
+            unknown.append(str(name))
+            continue
+        label_of[category["id"]] = classes.index(name)
+    if unknown:
+        raise _fail(path, f"categories {sorted(unknown)} are not among the dataset's classes {list(classes)}")
+    return label_of
+
+
+def _read_images(path: Path, entries: list[Any]) -> dict[Any, dict[str, Any]]:
+    """image id -> its size, file name and (empty) box lists; an id or a file name given twice is an
+    error naming both entries (the second would silently take the first's boxes, or leave it none)."""
+    images: dict[Any, dict[str, Any]] = {}
+    by_name: dict[str, dict[str, Any]] = {}
+    for i, entry in enumerate(entries):
+        if not isinstance(entry, dict) or not {"id", "file_name", "width", "height"} <= set(entry):
+            raise _fail(path, f"images[{i}] {entry!r} lacks id, file_name, width or height")
+        image_id, name = entry["id"], entry["file_name"]
+        where = f"images[{i}] (id {image_id!r}, file_name {name!r})"
+        if not _is_id(image_id):
+            raise _fail(path, f"{where}: the id is neither an integer nor a string")
+        if not isinstance(name, str) or not name:
+            raise _fail(path, f"{where}: file_name is not the image's path under info.images_root")
+        size = [whole_number(entry[key]) for key in ("height", "width")]
+        for key, pixels in zip(("height", "width"), size, strict=True):
+            if pixels is None or pixels < 1:
+                raise _fail(path, f"{where}: {key} is {entry[key]!r}; expected a whole number of pixels >= 1")
+        if image_id in images:
+            first = images[image_id]
+            raise _fail(
+                path,
+                f"{where} has the id of images[{first['index']}] (file_name {first['file_name']!r}):"
+                " image ids must be unique (annotations name their image by id); export the file again",
+            )
+        if name in by_name:
+            first = by_name[name]
+            raise _fail(
+                path,
+                f"{where} has the file_name of images[{first['index']}] (id {first['id']!r}): one entry per"
+                " image (the second would replace the first's boxes); export the file again",
+            )
+        by_name[name] = images[image_id] = {
+            "id": image_id,
+            "index": i,
+            "size": (size[0], size[1]),
+            "file_name": name,
+            "boxes": [],
+            "labels": [],
+        }
+    return images
 
 
 def read_pseudo_boxes(
@@ -154,49 +239,39 @@ def read_pseudo_boxes(
         raise FileNotFoundError(
             f"pseudo boxes file not found: {path} (write it with tools/export_pseudo_labels.py)"
         )
-    try:
-        content = json.loads(path.read_text())
-    except json.JSONDecodeError as error:
-        raise _fail(path, f"not valid json ({error})") from error
-    if not isinstance(content, dict) or not all(
-        isinstance(content.get(k), list) for k in ("images", "annotations", "categories")
-    ):
-        raise _fail(path, "expected a COCO instances json with lists images, annotations and categories")
-    names = {c.get("id"): c.get("name") for c in content["categories"]}
-    unknown = sorted(str(n) for n in names.values() if n not in classes)
-    if unknown or len(names) != len(content["categories"]):
-        raise _fail(path, f"categories {unknown} are not among the dataset's classes {list(classes)}")
-    label_of = {cid: classes.index(name) for cid, name in names.items()}
-    images: dict[Any, dict] = {}
-    for entry in content["images"]:
-        if not isinstance(entry, dict) or not {"id", "file_name", "width", "height"} <= set(entry):
-            raise _fail(path, f"image entry {entry!r} lacks id, file_name, width or height")
-        images[entry["id"]] = {
-            "size": (int(entry["height"]), int(entry["width"])),
-            "file_name": entry["file_name"],
-            "boxes": [],
-            "labels": [],
-        }
+    content = read_json(path, _EXPECTED)
+    lists = {"images": list, "annotations": list, "categories": list}
+    require_keys(content, f"pseudo boxes file {path}", lists, _EXPECTED)
+    for key in lists:
+        if not content[key]:
+            # No annotation: every image would train as background alone, and the run would end with a
+            # detector of nothing, silently (an export whose score threshold kept no box, say).
+            raise _fail(path, f"'{key}' is empty: there is nothing to train on; expected {_EXPECTED}")
+    label_of = _read_categories(path, content["categories"], classes)
+    images = _read_images(path, content["images"])
     for entry in content["annotations"]:
         if not isinstance(entry, dict):
             raise _fail(path, f"annotation {entry!r} is not an object")
         where = f"annotation {entry.get('id')!r}"
-        if entry.get("image_id") not in images:
-            raise _fail(path, f"{where}: image_id {entry.get('image_id')!r} is none of its images")
-        if entry.get("category_id") not in label_of:
-            raise _fail(path, f"{where}: category_id {entry.get('category_id')!r} is none of its categories")
+        image_id, category_id = entry.get("image_id"), entry.get("category_id")
+        if not _is_id(image_id) or image_id not in images:
+            raise _fail(path, f"{where}: image_id {image_id!r} is none of its images")
+        if not _is_id(category_id) or category_id not in label_of:
+            raise _fail(path, f"{where}: category_id {category_id!r} is none of its categories")
         bbox = entry.get("bbox")
         if (
             not isinstance(bbox, list)
             or len(bbox) != 4
-            or not all(isinstance(v, int | float) and math.isfinite(v) for v in bbox)
+            or not all(
+                isinstance(v, int | float) and not isinstance(v, bool) and math.isfinite(v) for v in bbox
+            )
             or bbox[2] < 0
             or bbox[3] < 0
         ):
             raise _fail(path, f"{where}: bbox {bbox!r} is not [x, y, w, h] of finite numbers with w, h >= 0")
-        image = images[entry["image_id"]]
+        image = images[image_id]
         image["boxes"].append(bbox)
-        image["labels"].append(label_of[entry["category_id"]])
+        image["labels"].append(label_of[category_id])
     result = {}
     for image in images.values():
         boxes = coco_xywh_to_xyxy(np.asarray(image["boxes"], dtype=np.float32).reshape(-1, 4))

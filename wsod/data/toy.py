@@ -9,20 +9,26 @@ format (``{root}/proposals/selective_search_{split}.pkl``, made by ``wsod.data.s
 ``ensure_toy_dataset()`` generates it on first use and returns the paths afterwards. Every image is drawn
 from its own seeded generator (``seed``, image number), so the files are the same whatever the order or
 number of processes. Generation writes into a temporary folder renamed into place at the end, so an
-interrupted run leaves no half dataset and concurrent callers (e.g. several ranks) do not collide.
+interrupted run leaves no half dataset and concurrent callers (e.g. several ranks) do not collide; an
+interrupted (Ctrl-C) or killed (SIGTERM) one removes that folder, and one killed outright (kill -9) has
+it removed by the next call.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
 import shutil
+import signal
+import threading
 import time
 import xml.etree.ElementTree as ET
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
+from types import FrameType
 
 import cv2
 import numpy as np
@@ -31,6 +37,7 @@ from tqdm import tqdm
 
 from wsod.atomic import atomic_write
 from wsod.data.box_formats import to_one_based
+from wsod.data.json_files import read_json
 from wsod.data.proposals.selective_search import generate_proposals
 from wsod.data.voc import VOCDataset
 
@@ -240,6 +247,30 @@ def _process_alive(pid: int) -> bool:
     return True
 
 
+@contextlib.contextmanager
+def _terminate_raises() -> Iterator[None]:
+    """While it is open, SIGTERM (``kill``'s default, what job schedulers send) raises ``SystemExit(143)``
+    in the main thread instead of ending the process on the spot, so that a killed generation removes
+    its staging folder as an interrupted one (Ctrl-C) does. A handler installed by someone else (or
+    SIGTERM ignored) is left alone, and so are other threads, which cannot set handlers. ``kill -9``
+    cannot be caught: the next call removes that folder (``_remove_abandoned_staging``)."""
+    if (
+        threading.current_thread() is not threading.main_thread()
+        or signal.getsignal(signal.SIGTERM) is not signal.SIG_DFL
+    ):
+        yield
+        return
+
+    def stop(signum: int, frame: FrameType | None) -> None:
+        raise SystemExit(128 + signum)
+
+    signal.signal(signal.SIGTERM, stop)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)
+
+
 def ensure_toy_dataset(
     root: str | os.PathLike = "data/toy",
     *,
@@ -264,8 +295,11 @@ def ensure_toy_dataset(
         "classes": list(TOY_CLASSES),
     }
     manifest_path = root / "toy.json"
+    _remove_abandoned_staging(root)  # a generation killed outright (kill -9) left its folder behind
     if manifest_path.is_file():
-        existing = json.loads(manifest_path.read_text())
+        existing = read_json(
+            manifest_path, "the manifest ensure_toy_dataset writes; delete the folder to remake it"
+        )
         if existing != manifest:
             raise ValueError(
                 f"{root} holds a toy dataset made with {existing}, not {manifest}; use another root"
@@ -276,20 +310,20 @@ def ensure_toy_dataset(
 
     start = time.perf_counter()
     logger.info("generating the toy dataset in %s (%d trainval + %d test images)", root, num_train, num_test)
-    _remove_abandoned_staging(root)
     staging = root.with_name(f"{_STAGING_PREFIX.format(name=root.name)}{os.getpid()}")
     shutil.rmtree(staging, ignore_errors=True)
     try:
-        splits = _write_devkit(staging / "VOCdevkit" / f"VOC{YEAR}", seed, num_train, num_test, progress)
-        images_dir = staging / "VOCdevkit" / f"VOC{YEAR}" / "JPEGImages"
-        for split, path in _paths(staging).proposal_files.items():
-            images = [(i, str(images_dir / f"{i}.jpg")) for i in splits[split]]
-            generate_proposals(images, path, workers=workers, progress=progress)
-        with atomic_write(staging / "toy.json", "w") as f:
-            json.dump(manifest, f, indent=1)
-        if root.exists():
-            root.rmdir()  # empty (checked above); os.replace cannot replace a directory
-        os.replace(staging, root)
+        with _terminate_raises():  # kill (SIGTERM) too runs the cleanup below
+            splits = _write_devkit(staging / "VOCdevkit" / f"VOC{YEAR}", seed, num_train, num_test, progress)
+            images_dir = staging / "VOCdevkit" / f"VOC{YEAR}" / "JPEGImages"
+            for split, path in _paths(staging).proposal_files.items():
+                images = [(i, str(images_dir / f"{i}.jpg")) for i in splits[split]]
+                generate_proposals(images, path, workers=workers, progress=progress)
+            with atomic_write(staging / "toy.json", "w") as f:
+                json.dump(manifest, f, indent=1)
+            if root.exists():
+                root.rmdir()  # empty (checked above); os.replace cannot replace a directory
+            os.replace(staging, root)
     except OSError:
         if manifest_path.is_file():  # another process finished first: use its copy
             shutil.rmtree(staging, ignore_errors=True)

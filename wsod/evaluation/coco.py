@@ -27,6 +27,7 @@ from pycocotools.cocoeval import COCOeval
 from torchvision.ops import box_convert
 
 from wsod.data.coco import coco_index, normalise_coco, read_coco_json
+from wsod.data.json_files import read_json
 
 __all__ = [
     "STAT_NAMES",
@@ -149,7 +150,7 @@ def evaluate_coco(
     results_file = None
     if isinstance(results, (str, os.PathLike)):
         results_file = results
-        results = json.loads(Path(results).read_text())
+        results = read_json(results, "a COCO results json, a list of {image_id, category_id, bbox, score}")
     if source is None and isinstance(ground_truth, (str, os.PathLike)):
         source = ground_truth
     annotation_file = "the ground truth" if source is None else os.fspath(source)

@@ -248,10 +248,11 @@ class WeaklySupervisedDetector(nn.Module):
             if not self.method.reads_partial_labels and any(
                 target.get(name) is not None and target[name].numel() for name in PARTIAL_LABEL_FIELDS
             ):
+                readers = " or ".join(f"method={n}" for n, c in METHODS.items() if c.reads_partial_labels)
                 raise ValueError(
                     f"targets[{i}] holds partial labels (points, scribbles or boxes), which"
-                    f" {type(self.method).__name__} does not read: train them with method=mist or"
-                    " method=oicr, or drop the data's partial_labels"
+                    f" {type(self.method).__name__} does not read: train them with {readers}, or drop the"
+                    " data's partial_labels"
                 )
         stacked = torch.stack([target["labels"] for target in targets])
         if image_labels is None:
