@@ -17,8 +17,9 @@ from pathlib import Path
 import pytest
 import torch
 from hydra import compose, initialize_config_dir
-from tiny_run import tiny_overrides
+from tiny_run import minimal_pseudo_labels, tiny_overrides
 
+import wsod.run as wsod_run
 from wsod.config_checks import ConfigError
 from wsod.directory_lock import LOCK_FILE, DirectoryBusyError, DirectoryLock
 from wsod.run import evaluate_from_config, predict_from_config, train_from_config
@@ -78,7 +79,7 @@ def test_a_second_command_into_a_locked_folder_is_refused_and_changes_nothing(
     before = _snapshot(run_dir)
     data = [o for o in tiny_overrides(tiny_toy_root, Path("unused")) if o.startswith("data.")]
     pseudo = tmp_path / "pseudo_labels.json"
-    pseudo.write_text("{}")
+    minimal_pseudo_labels(pseudo)
     commands = {
         "train": (train_from_config, tiny_overrides(tiny_toy_root, run_dir, seed=2)),
         "train resume": (train_from_config, tiny_overrides(tiny_toy_root, run_dir, resume="true")),
@@ -166,7 +167,7 @@ def test_a_first_stage_run_resumed_by_the_second_stage_command_says_which_run_it
     run_dir.mkdir()
     (run_dir / "model_0000002.pth").write_bytes(LEGACY.read_bytes())
     pseudo = tmp_path / "pseudo_labels.json"
-    pseudo.write_text("{}")
+    minimal_pseudo_labels(pseudo)
     data = [o for o in tiny_overrides(tiny_toy_root, Path("unused")) if o.startswith("data.")]
     cfg = _compose("stage2", [*data, f"pseudo_labels={pseudo}", f"output_dir={run_dir}", "resume=true"])
     with pytest.raises(ConfigError) as refused:
@@ -176,3 +177,55 @@ def test_a_first_stage_run_resumed_by_the_second_stage_command_says_which_run_it
         f" starts a second-stage run (tools/train_stage2.py): resume it with tools/train.py"
         f" output_dir={run_dir} resume=true, or give this command another output_dir"
     )
+
+
+def test_an_attempt_that_failed_before_its_first_step_is_started_over(tiny_toy_root, tmp_path, monkeypatch):
+    """A wrong data path fails after the folder is set up (config.yaml, log.txt, error.txt, no step):
+    nothing there to lose, so the corrected command runs in it without resume=true, and says so."""
+    run_dir = tmp_path / "failed"
+    overrides = tiny_overrides(tiny_toy_root, run_dir, **{"solver.max_iter": 1, "solver.milestones": "[1]"})
+
+    def missing_data(*args, **kwargs):
+        raise FileNotFoundError("data/my_images: no such folder")
+
+    monkeypatch.setattr(wsod_run, "prepare_data", missing_data)
+    with pytest.raises(FileNotFoundError):
+        train_from_config(_compose("train", overrides))
+    assert (run_dir / "error.txt").is_file() and (run_dir / "config.yaml").is_file()
+    monkeypatch.undo()
+    threads = torch.get_num_threads()
+    try:
+        summary = train_from_config(_compose("train", [*overrides, "random_baseline=false"]))
+    finally:
+        torch.set_num_threads(threads)
+    assert summary["iteration"] == 1 and not (run_dir / "error.txt").exists()
+    log = (run_dir / "log.txt").read_text()
+    assert "holds an attempt that failed before its first step (error.txt): starting over" in log
+
+
+def test_a_wrong_pseudo_label_file_is_refused_before_the_run_folder_exists(tiny_toy_root, tmp_path):
+    empty = tmp_path / "empty.json"
+    empty.write_text('{"images": [], "annotations": [], "categories": []}')
+    data = [o for o in tiny_overrides(tiny_toy_root, Path("unused")) if o.startswith("data.")]
+    run_dir = tmp_path / "stage2"
+    with pytest.raises(ValueError, match=f"pseudo boxes file {empty}: 'images' is empty"):
+        train_stage2_from_config(
+            _compose("stage2", [*data, f"pseudo_labels={empty}", f"output_dir={run_dir}"])
+        )
+    assert not run_dir.exists()
+
+
+def test_a_finished_holder_removes_its_lock_file_and_a_racing_opener_retries(tmp_path):
+    folder = tmp_path / "run"
+    lock = DirectoryLock(folder)
+    lock.acquire()
+    opened_before_the_removal = os.open(lock.path, os.O_RDWR)  # another process, between open and flock
+    lock.release()
+    assert not (folder / LOCK_FILE).exists()  # a finished folder holds only its results
+    try:
+        # That process would now lock the removed file: acquire sees the inode is gone and starts over.
+        assert not lock._still_there(opened_before_the_removal)
+    finally:
+        os.close(opened_before_the_removal)
+    with DirectoryLock(folder) as again:
+        assert again.held and again._still_there(again._fd)

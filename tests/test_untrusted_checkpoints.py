@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 import torch
 from hydra import compose, initialize_config_dir
-from tiny_run import tiny_overrides
+from tiny_run import minimal_pseudo_labels, tiny_overrides
 
 from wsod.engine.checkpoint import UntrustedCheckpointError, latest_valid_checkpoint, load_checkpoint
 from wsod.run import evaluate_from_config, predict_from_config, train_from_config
@@ -59,7 +59,7 @@ def _commands(root: Path, tmp: Path, hostile: Path):
     run_dir.mkdir()
     os.link(hostile, run_dir / "model_0000002.pth")
     pseudo = tmp / "pseudo_labels.json"
-    pseudo.write_text("{}")
+    minimal_pseudo_labels(pseudo)
     images = root / "VOCdevkit" / "VOC2007" / "JPEGImages"
     return [
         ("tools/eval.py", evaluate_from_config, "eval", [f"checkpoint={hostile}", *data]),

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 TINY_TOY = {"num_train": 12, "num_test": 6}
@@ -26,3 +27,15 @@ def tiny_overrides(root: Path, run_dir: Path, **extra: object) -> list[str]:
         **extra,
     }
     return [f"{key}={value}" for key, value in values.items()]
+
+
+def minimal_pseudo_labels(path: Path) -> Path:
+    """A pseudo-label json of the right layout (one image, one box), for tests that stop a second-stage
+    command before it trains: tools/train_stage2.py checks the file before anything else."""
+    content = {
+        "images": [{"id": 1, "file_name": "000000.jpg", "width": 10, "height": 10}],
+        "annotations": [{"id": 1, "image_id": 1, "category_id": 1, "bbox": [0, 0, 5, 5], "score": 1.0}],
+        "categories": [{"id": 1, "name": "red_circle"}],
+    }
+    path.write_text(json.dumps(content))
+    return path

@@ -3,9 +3,10 @@
 The lock is ``fcntl.flock`` on ``<folder>/.lock``, taken without waiting: a second command given the same
 folder is refused at once, naming the folder and the holder's pid (written into the file). The kernel
 releases a flock when its holder's file descriptor closes, so the lock goes with the process however it
-ends, ``kill -9`` included: no stale lock is ever left to clean up. The file itself stays (removing it
-would race with a process that has just opened it) and is hidden; it holds nothing but the last holder's
-pid.
+ends, ``kill -9`` included: a file left behind by a killed process locks nothing. A holder that ends
+normally removes the file while it still holds the lock, so that finished folders hold only their
+results; a process that opened the old file just before is told by ``acquire``'s inode check that it
+locked a removed file, and tries again on the new one.
 """
 
 from __future__ import annotations
@@ -48,26 +49,39 @@ class DirectoryLock:
         if self._fd is not None:
             return
         self.directory.mkdir(parents=True, exist_ok=True)
-        fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o666)
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except OSError as error:
-            os.close(fd)
-            if error.errno not in (errno.EWOULDBLOCK, errno.EAGAIN, errno.EACCES):
-                raise
-            raise DirectoryBusyError(
-                f"{self.directory} is in use by another process (pid {self._holder()}, see {self.path}):"
-                f" wait for it to end, or give another {self.option}="
-            ) from None
+        while True:
+            fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o666)
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except OSError as error:
+                os.close(fd)
+                if error.errno not in (errno.EWOULDBLOCK, errno.EAGAIN, errno.EACCES):
+                    raise
+                raise DirectoryBusyError(
+                    f"{self.directory} is in use by another process (pid {self._holder()}, see"
+                    f" {self.path}): wait for it to end, or give another {self.option}="
+                ) from None
+            if self._still_there(fd):
+                break
+            os.close(fd)  # its holder removed this file as we opened it: lock the one there now
         os.ftruncate(fd, 0)
         os.write(fd, f"{os.getpid()}\n".encode())
         self._fd = fd
 
     def release(self) -> None:
-        """Let the lock go (closing the descriptor releases it); a second call does nothing."""
+        """Remove the lock file and let the lock go (in that order: see the module docstring); a second
+        call does nothing."""
         if self._fd is not None:
+            self.path.unlink(missing_ok=True)
             os.close(self._fd)
             self._fd = None
+
+    def _still_there(self, fd: int) -> bool:
+        """Whether ``fd`` is the file now at ``self.path`` (not one removed since it was opened)."""
+        try:
+            return os.stat(self.path).st_ino == os.fstat(fd).st_ino
+        except FileNotFoundError:
+            return False
 
     def _holder(self) -> str:
         try:

@@ -59,6 +59,7 @@ from wsod.build import (
     build_optimizer,
     build_scheduler,
     build_train_dataset,
+    check_partial_labels_read,
     load_detector,
     prepare_data,
     resolve_device,
@@ -255,9 +256,8 @@ def _lock_and_claim(
         return lock, claim(directory, cfg) if claim is not None else None
     except BaseException:
         if lock is not None:
-            lock.release()
-            if not existed:  # leave no trace of a refused command: the folder was made for the lock
-                lock.path.unlink(missing_ok=True)
+            lock.release()  # removes its file: a refused command leaves no trace
+            if not existed:  # the folder was made for the lock
                 with contextlib.suppress(OSError):  # not empty after all: keep what is there
                     directory.rmdir()
         raise
@@ -300,25 +300,37 @@ def run_training(cfg: DictConfig, body: Callable[[Path, DictConfig, torch.device
 RUN_FILES = ("config.yaml", "log.txt", "metrics.jsonl", "model_final.pth")
 
 
-def refuse_another_run(run_dir: Path, cfg: DictConfig) -> None:
+def refuse_another_run(run_dir: Path, cfg: DictConfig) -> str | None:
     """Refuse a directory that holds a started or finished run (``RUN_FILES`` or a checkpoint) unless
-    ``resume=true`` continues it: two runs in one folder mix their logs, metrics and checkpoints."""
+    ``resume=true`` continues it: two runs in one folder mix their logs, metrics and checkpoints. An
+    attempt that failed before its first step (``error.txt``, no step logged, no checkpoint: a wrong
+    data path, say) holds nothing to lose: a new run starts over in it, and says so."""
     if cfg.resume:
-        return
+        return None
     checkpoints = list_checkpoints(run_dir)
     found = [name for name in RUN_FILES if (run_dir / name).exists()]
     if not checkpoints and not found:
-        return
+        return None
+    if not checkpoints and _failed_before_its_first_step(run_dir):
+        return (
+            f"{run_dir} holds an attempt that failed before its first step (error.txt): starting over in it"
+        )
     held = (
         f"checkpoints up to {checkpoints[0].name}"
         if checkpoints
-        else f"{', '.join(found)}; no checkpoint yet"
+        else ", ".join(found) + "; no checkpoint yet"
     )
     start = "from its newest checkpoint" if checkpoints else "from step 0"
     raise ConfigError(
         f"{run_dir} already holds a run ({held}): resume=true continues it ({start}); another"
         " output_dir starts a new one"
     )
+
+
+def _failed_before_its_first_step(run_dir: Path) -> bool:
+    metrics = run_dir / "metrics.jsonl"
+    logged = metrics.is_file() and any(line.strip() for line in metrics.read_text().splitlines())
+    return (run_dir / "error.txt").is_file() and not logged and not (run_dir / "model_final.pth").exists()
 
 
 def _train_in(run_dir: Path, cfg: DictConfig, device: torch.device) -> dict[str, Any]:
@@ -329,6 +341,7 @@ def _train_in(run_dir: Path, cfg: DictConfig, device: torch.device) -> dict[str,
     evaluator = build_evaluator(cfg.data, device, cfg.progress, random_baseline=cfg.random_baseline)
     with main_process_first():  # ImageNet weights: fetched into torch hub's cache once, then read
         model = build_model(cfg.model, train_set.num_classes, cfg.method).to(device)
+    check_partial_labels_read(train_set, model.method)  # before step 1, whichever images hold them
     optimizer = build_optimizer(cfg.solver, model)
     scheduler = build_scheduler(cfg.solver, optimizer)
     # In this order: the adversary's update runs before GradNorm's in each step.

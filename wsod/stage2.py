@@ -42,7 +42,7 @@ from wsod.build import (
 )
 from wsod.config_checks import EXPORT_RULES, STAGE2_RULES, ConfigError, check_config
 from wsod.data.dataset import ConcatWeakDataset
-from wsod.data.pseudo_boxes import pseudo_boxes_json, write_pseudo_boxes
+from wsod.data.pseudo_boxes import check_pseudo_boxes_file, pseudo_boxes_json, write_pseudo_boxes
 from wsod.distributed import (
     cleanup_distributed,
     is_main_process,
@@ -231,6 +231,7 @@ def train_stage2_from_config(cfg: DictConfig) -> dict[str, Any]:
     """Train the second-stage detector as ``cfg`` (configs/stage2.yaml) says; returns the loop's summary
     plus the final metrics (like ``wsod.run.train_from_config``)."""
     check_config(cfg, STAGE2_RULES)
+    check_pseudo_boxes_file(cfg.pseudo_labels)  # a wrong file is refused before the run folder exists
     setup_distributed()
     try:
         return run_training(cfg, _train_stage2_in)

@@ -56,6 +56,7 @@ __all__ = [
     "pseudo_boxes_json",
     "write_pseudo_boxes",
     "read_pseudo_boxes",
+    "check_pseudo_boxes_file",
     "attach_pseudo_boxes",
 ]
 
@@ -229,12 +230,9 @@ def _read_images(path: Path, entries: list[Any]) -> dict[Any, dict[str, Any]]:
     return images
 
 
-def read_pseudo_boxes(
-    path: str | os.PathLike, classes: Sequence[str]
-) -> dict[str, tuple[tuple[int, int], np.ndarray, np.ndarray]]:
-    """``file_name -> ((height, width), boxes (G, 4) float32 wsod boxes, labels (G,) int64)`` of a pseudo
-    boxes json, checked (module docstring); categories are matched to ``classes`` by name."""
-    path = Path(path)
+def _checked_layout(path: Path) -> dict[str, Any]:
+    """The parsed json of ``path`` if it is a pseudo boxes file's layout: non-empty ``images``,
+    ``annotations`` and ``categories`` lists; else one error naming the file."""
     if not path.is_file():
         raise FileNotFoundError(
             f"pseudo boxes file not found: {path} (write it with tools/export_pseudo_labels.py)"
@@ -247,6 +245,24 @@ def read_pseudo_boxes(
             # No annotation: every image would train as background alone, and the run would end with a
             # detector of nothing, silently (an export whose score threshold kept no box, say).
             raise _fail(path, f"'{key}' is empty: there is nothing to train on; expected {_EXPECTED}")
+    return content
+
+
+def check_pseudo_boxes_file(path: str | os.PathLike) -> None:
+    """What can be checked of a pseudo boxes file without the dataset: its layout, and one entry per
+    image id and file name. tools/train_stage2.py calls it before it makes its run folder, so that a
+    wrong file is refused before anything is written; ``read_pseudo_boxes`` checks the rest."""
+    path = Path(path)
+    _read_images(path, _checked_layout(path)["images"])
+
+
+def read_pseudo_boxes(
+    path: str | os.PathLike, classes: Sequence[str]
+) -> dict[str, tuple[tuple[int, int], np.ndarray, np.ndarray]]:
+    """``file_name -> ((height, width), boxes (G, 4) float32 wsod boxes, labels (G,) int64)`` of a pseudo
+    boxes json, checked (module docstring); categories are matched to ``classes`` by name."""
+    path = Path(path)
+    content = _checked_layout(path)
     label_of = _read_categories(path, content["categories"], classes)
     images = _read_images(path, content["images"])
     for entry in content["annotations"]:
