@@ -34,6 +34,7 @@ import contextlib
 import io
 import json
 import sys
+import warnings
 from collections import Counter
 from pathlib import Path
 from typing import NoReturn
@@ -75,6 +76,10 @@ def _voc_images(devkit: Path, year: str, image_set: str, classes, toy_seed: int 
                 objects.append((classes[label], SimulatedObject(box, None if masks is None else masks[j])))
         images.append((record.image_id, record.path, objects))
     return images
+
+
+# The numpy 2 DeprecationWarning pycocotools' mask decoding raises (pycocotools/mask.py, decode).
+_PYCOCOTOOLS_COPY_WARNING = r"__array__ implementation doesn't accept a copy keyword"
 
 
 def _read_coco(path: Path) -> dict:
@@ -123,7 +128,11 @@ def _coco_images(data: dict, path: Path) -> tuple[list[Image], list[dict]]:
                         f" width {image.get('width')!r}; its objects' segmentations are drawn at that size,"
                         " so give both, whole numbers of pixels"
                     )
-                mask = coco.annToMask(ann).astype(bool)
+                with warnings.catch_warnings():
+                    # pycocotools' mask decoder (its _mask.decode, up to 2.0.11 at least) asks numpy 2 for
+                    # an array without copying from an object that cannot say so: its warning, not ours.
+                    warnings.filterwarnings("ignore", _PYCOCOTOOLS_COPY_WARNING, DeprecationWarning)
+                    mask = coco.annToMask(ann).astype(bool)
             objects.append((names[ann["category_id"]], SimulatedObject(box, mask)))
             annotations.append(ann)
         images.append((image["id"], image.get("file_name", ""), objects))
