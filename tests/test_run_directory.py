@@ -229,3 +229,13 @@ def test_a_finished_holder_removes_its_lock_file_and_a_racing_opener_retries(tmp
         os.close(opened_before_the_removal)
     with DirectoryLock(folder) as again:
         assert again.held and again._still_there(again._fd)
+
+
+def test_an_output_dir_that_cannot_be_made_is_one_line(tiny_toy_root, tmp_path):
+    blocked = tmp_path / "a_file"
+    blocked.write_text("a file where a parent folder should be")
+    run_dir = blocked / "run"
+    with pytest.raises(ConfigError) as refused:
+        train_from_config(_compose("train", tiny_overrides(tiny_toy_root, run_dir)))
+    assert str(refused.value).startswith(f"output_dir={run_dir}: cannot write there (")
+    assert str(refused.value).endswith("); give another folder") and "\n" not in str(refused.value)

@@ -152,3 +152,21 @@ def test_trust_checkpoint_reads_an_older_file_and_says_so(tmp_path, caplog):
         load_checkpoint(path)
     assert load_checkpoint(path, trust=True)["metadata"]["value"] == 0.5
     assert "trust_checkpoint=true: reading" in caplog.text
+
+
+@pytest.mark.parametrize(
+    ("content", "why"),
+    [
+        (b'{"model": {}}', "not a file torch.save wrote: its pickle stops at byte code 123"),
+        (b"", "empty, or cut short"),
+        (b"PK\x03\x04" + b"\x00" * 40, "RuntimeError: PytorchStreamReader failed reading zip archive"),
+    ],
+    ids=["json", "empty", "truncated"],
+)
+def test_a_file_that_is_no_checkpoint_is_one_line_and_not_called_untrusted(tmp_path, content, why):
+    path = tmp_path / "model_final.pth"
+    path.write_bytes(content)
+    with pytest.raises(RuntimeError) as unreadable:
+        load_checkpoint(path)
+    message = str(unreadable.value)
+    assert message.startswith(f"checkpoint {path} cannot be read ({why}") and "\n" not in message

@@ -249,6 +249,12 @@ def _lock_and_claim(
             lock.acquire()
     except DirectoryBusyError as busy:
         refusal, lock = busy, None
+    except OSError as error:  # a folder that cannot be made or written (no permission, a read-only disk)
+        why = f"{error.strerror}: {error.filename}" if error.filename else str(error)
+        refusal, lock = (
+            ConfigError(f"{option}={directory}: cannot write there ({why}); give another folder"),
+            None,
+        )
     refusal = broadcast_object(refusal)  # the other ranks learn what the main one found
     if refusal is not None:
         raise refusal

@@ -61,9 +61,11 @@ class UntrustedCheckpointError(ValueError):
     refused file is silently passed over."""
 
 
-# How torch says its weights-only unpickler refused a global (torch 2.4 to 2.14 word it this way).
+# How torch's weights-only unpickler words its refusals (torch 2.4 to 2.14): a refused global or object,
+# or bytes that are not the pickle torch.save writes (a json, an image, a plain pickle renamed .pth).
 _REFUSED = "Weights only load failed"
 _REFUSED_GLOBAL = re.compile(r"GLOBAL ([\w.]+)")
+_NOT_TORCH_PICKLE = re.compile(r"Unsupported operand (\d+)")
 
 
 def load_checkpoint(
@@ -75,7 +77,8 @@ def load_checkpoint(
     never calls a function named by the file: a downloaded ``.pth`` cannot run code. Everything wsod
     writes is such plain data. A file that needs more (an older wsod's, or another program's) is refused
     with ``UntrustedCheckpointError`` unless ``trust`` (the tools' ``trust_checkpoint=true``) says that
-    its source is trusted: then the full unpickler reads it, with a warning.
+    its source is trusted: then the full unpickler reads it, with a warning. A file that is no checkpoint
+    at all (truncated, empty, a json) is a ``RuntimeError`` naming it, in one line.
     """
     path = Path(path)
     if not path.is_file():
@@ -85,17 +88,29 @@ def load_checkpoint(
     try:
         return torch.load(path, map_location=map_location, weights_only=not trust)
     except pickle.UnpicklingError as error:
-        if not trust and str(error).startswith(_REFUSED):
-            found = _REFUSED_GLOBAL.search(str(error))
-            what = f"an object of {found.group(1)}" if found else "objects other than tensors and plain data"
-            raise UntrustedCheckpointError(
-                f"checkpoint {path} holds {what}, which the weights-only loader refuses (loading it could run"
-                " code): use a checkpoint written by this wsod, or add trust_checkpoint=true if you trust"
-                " where the file came from (docs/RELIABILITY.md)"
-            ) from None
-        raise RuntimeError(f"checkpoint {path} cannot be read ({type(error).__name__}: {error})") from error
+        text = str(error)
+        if trust or not text.startswith(_REFUSED) or _NOT_TORCH_PICKLE.search(text):
+            raise RuntimeError(f"checkpoint {path} cannot be read ({_unreadable(error)})") from error
+        found = _REFUSED_GLOBAL.search(text)
+        what = f"an object of {found.group(1)}" if found else "objects other than tensors and plain data"
+        raise UntrustedCheckpointError(
+            f"checkpoint {path} holds {what}, which the weights-only loader refuses (loading it could run"
+            " code): use a checkpoint written by this wsod, or add trust_checkpoint=true if you trust"
+            " where the file came from (docs/RELIABILITY.md)"
+        ) from None
     except Exception as error:
-        raise RuntimeError(f"checkpoint {path} cannot be read ({type(error).__name__}: {error})") from error
+        raise RuntimeError(f"checkpoint {path} cannot be read ({_unreadable(error)})") from error
+
+
+def _unreadable(error: Exception) -> str:
+    """Why a file is no readable checkpoint, in a few words (torch's messages run over many lines)."""
+    operand = _NOT_TORCH_PICKLE.search(str(error))
+    if operand:
+        return f"not a file torch.save wrote: its pickle stops at byte code {operand.group(1)}"
+    if isinstance(error, EOFError):
+        return "empty, or cut short"
+    first = next((line.strip() for line in str(error).splitlines() if line.strip()), "")
+    return f"{type(error).__name__}: {first.split('. ')[0][:200]}"  # its first sentence
 
 
 def list_checkpoints(directory: str | Path) -> list[Path]:
