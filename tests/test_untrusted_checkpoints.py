@@ -170,3 +170,11 @@ def test_a_file_that_is_no_checkpoint_is_one_line_and_not_called_untrusted(tmp_p
         load_checkpoint(path)
     message = str(unreadable.value)
     assert message.startswith(f"checkpoint {path} cannot be read ({why}") and "\n" not in message
+
+
+def test_a_folder_given_as_a_checkpoint_names_the_file_to_give(tmp_path):
+    with pytest.raises(IsADirectoryError) as refused:
+        load_checkpoint(tmp_path)
+    assert str(refused.value) == (
+        f"checkpoint {tmp_path} is a folder: give a .pth file in it, e.g. {tmp_path / 'model_final.pth'}"
+    )

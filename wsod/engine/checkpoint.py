@@ -81,6 +81,10 @@ def load_checkpoint(
     at all (truncated, empty, a json) is a ``RuntimeError`` naming it, in one line.
     """
     path = Path(path)
+    if path.is_dir():
+        raise IsADirectoryError(
+            f"checkpoint {path} is a folder: give a .pth file in it, e.g. {path / 'model_final.pth'}"
+        )
     if not path.is_file():
         raise FileNotFoundError(f"checkpoint not found: {path}")
     if trust:
