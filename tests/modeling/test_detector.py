@@ -240,7 +240,11 @@ def test_heads_pseudo_labels_and_losses_run_in_float32_under_autocast():
     with torch.autocast("cpu", dtype=torch.bfloat16):
         bf16_scores = model.mil_head(features, [len(features)])
     fp32_scores = model.mil_head(features, [len(features)])
-    assert bf16_scores.dtype == torch.bfloat16 and fp32_scores[:, 1].unique().numel() == 300
+    # float32 keeps them apart, all but a few: not all 300 for certain, because the exact (float64)
+    # scores of the closest neighbours lie 5 float32 ulps apart while the head's float32 rounding errors
+    # reach 23 ulps here, so on another CPU (another matmul kernel) a close pair may round to one value.
+    # 23 pairs lie within 100 ulps (twice the largest error difference): at least 277 values stay.
+    assert bf16_scores.dtype == torch.bfloat16 and fp32_scores[:, 1].unique().numel() >= 277
     assert bf16_scores[:, 1].unique().numel() < 30
     assert bf16_scores[:, 1].float().argmax() != fp32_scores[:, 1].argmax()
 
