@@ -238,35 +238,47 @@ def _lock_and_claim(
     claim: Callable[[Path, DictConfig], str | None] | None,
     option: str,
 ) -> tuple[DirectoryLock | None, str | None]:
-    """Lock ``directory`` (main process) and run ``claim``; every process raises the same refusal."""
+    """Lock ``directory`` and run ``claim`` on the main process, then tell the others: every process
+    raises the same refusal, or goes on with the same note. The main process alone looks, before any
+    process writes: under torchrun a slower rank would otherwise find the main one's fresh ``log.txt``
+    and take its own run for another."""
+    lock, outcome = None, None
+    if is_main_process():
+        lock, outcome = _lock_and_claim_here(directory, cfg, claim, option)
+    outcome = broadcast_object(outcome)
+    if isinstance(outcome, BaseException):
+        raise outcome
+    return lock, outcome
+
+
+def _lock_and_claim_here(
+    directory: Path,
+    cfg: DictConfig,
+    claim: Callable[[Path, DictConfig], str | None] | None,
+    option: str,
+) -> tuple[DirectoryLock | None, str | Exception | None]:
+    """``(lock, claim's note)``, or ``(None, the refusal)``: a refused command leaves no trace."""
     if directory.exists() and not directory.is_dir():
-        raise ConfigError(f"{option}={directory} is a file, not a folder: give a folder (new, or a run's)")
+        return None, ConfigError(
+            f"{option}={directory} is a file, not a folder: give a folder (new, or a run's)"
+        )
     existed = directory.exists()
-    lock = DirectoryLock(directory, option) if is_main_process() else None
-    refusal: Exception | None = None
+    lock = DirectoryLock(directory, option)
     try:
-        if lock is not None:
-            lock.acquire()
+        lock.acquire()
     except DirectoryBusyError as busy:
-        refusal, lock = busy, None
+        return None, busy
     except OSError as error:  # a folder that cannot be made or written (no permission, a read-only disk)
         why = f"{error.strerror}: {error.filename}" if error.filename else str(error)
-        refusal, lock = (
-            ConfigError(f"{option}={directory}: cannot write there ({why}); give another folder"),
-            None,
-        )
-    refusal = broadcast_object(refusal)  # the other ranks learn what the main one found
-    if refusal is not None:
-        raise refusal
+        return None, ConfigError(f"{option}={directory}: cannot write there ({why}); give another folder")
     try:
         return lock, claim(directory, cfg) if claim is not None else None
-    except BaseException:
-        if lock is not None:
-            lock.release()  # removes its file: a refused command leaves no trace
-            if not existed:  # the folder was made for the lock
-                with contextlib.suppress(OSError):  # not empty after all: keep what is there
-                    directory.rmdir()
-        raise
+    except Exception as refusal:
+        lock.release()  # removes its file
+        if not existed:  # the folder was made for the lock
+            with contextlib.suppress(OSError):  # not empty after all: keep what is there
+                directory.rmdir()
+        return None, refusal
 
 
 # -- train -------------------------------------------------------------------------------------------
