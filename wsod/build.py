@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import logging
 import os
-import pkgutil
 from pathlib import Path
 from typing import Any
 
@@ -32,7 +31,12 @@ from wsod.engine.checkpoint import load_checkpoint
 from wsod.engine.evaluate import Evaluator
 from wsod.engine.solver import build_optimizer as _build_optimizer
 from wsod.engine.solver import build_scheduler as _build_scheduler
-from wsod.modeling.detector import METHODS, WeaklySupervisedDetector, build_detector
+from wsod.modeling.detector import (
+    WeaklySupervisedDetector,
+    build_detector,
+    partial_label_readers,
+    resolve_method_class,
+)
 from wsod.modeling.faster_rcnn import ARCHITECTURE as FASTER_RCNN
 from wsod.modeling.faster_rcnn import FasterRCNNDetector, build_faster_rcnn
 from wsod.modeling.method import MOVED_TO_METHOD, RefinementMethod
@@ -95,29 +99,6 @@ def _plain(node: DictConfig | dict | None) -> dict[str, Any]:
     return OmegaConf.to_container(node, resolve=True) if isinstance(node, DictConfig) else dict(node)
 
 
-def _method_class(name: str) -> type[RefinementMethod]:
-    """A built-in method's class (``METHODS``) or a class named by import path, ``module:Class`` or
-    ``module.Class`` (a method defined outside wsod, e.g. ``my_methods:PCL``)."""
-    if name in METHODS:
-        return METHODS[name]
-    expected = (
-        f"expected one of {sorted(METHODS)} or an import path module:ClassName of a RefinementMethod"
-        " subclass (its module on sys.path)"
-    )
-    module_name, _, class_name = name.rpartition(":") if ":" in name else name.rpartition(".")
-    if not module_name:
-        raise ValueError(f"unknown method.name='{name}': {expected}")
-    try:
-        method_class = pkgutil.resolve_name(name)  # module:Class and module.Class alike
-    except (ImportError, AttributeError, ValueError) as error:
-        problem = f"method.name='{name}': cannot import {module_name}, or it has no {class_name} ({error})"
-        raise ValueError(f"{problem}; {expected}") from error
-    if not (isinstance(method_class, type) and issubclass(method_class, RefinementMethod)):
-        problem = f"method.name='{name}': {module_name} has no RefinementMethod subclass {class_name}"
-        raise ValueError(f"{problem}; {expected}")
-    return method_class
-
-
 def build_method(method_cfg: DictConfig | dict | None) -> RefinementMethod:
     """The refinement method of a ``configs/method`` node: ``name`` picks the class (a name of
     ``METHODS`` or an import path ``module:ClassName``), every other key but ``num_students`` (the
@@ -126,7 +107,7 @@ def build_method(method_cfg: DictConfig | dict | None) -> RefinementMethod:
     options = _plain(method_cfg)
     options.pop("num_students", None)  # the detector's: it builds the students
     name = options.pop("name", "mist")
-    method_class = _method_class(name)
+    method_class = resolve_method_class(name)
     try:
         return method_class(**options)
     except TypeError as error:
@@ -289,7 +270,7 @@ def check_partial_labels_read(train_set: Dataset, method: RefinementMethod) -> N
     given by import path. One ``ValueError`` naming the file and the method."""
     if method.reads_partial_labels:
         return
-    readers = " or ".join(f"method={n}" for n, c in METHODS.items() if c.reads_partial_labels)
+    readers = partial_label_readers()
     for i, dataset in enumerate(getattr(train_set, "datasets", [train_set])):
         labelled = sum(1 for r in dataset.records if r.supervision)
         if not labelled:

@@ -15,7 +15,6 @@ either applied for real by the training code (and listed) or refused with the re
 from __future__ import annotations
 
 import math
-import pkgutil
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -29,7 +28,8 @@ from wsod.data.folder import SPLITS as FOLDER_SPLITS
 from wsod.data.proposals.selective_search import MODES as SELECTIVE_SEARCH_MODES
 from wsod.evaluation import METRICS
 from wsod.modeling import BACKBONES, METHODS
-from wsod.modeling.method import MOVED_TO_METHOD, RefinementMethod
+from wsod.modeling.detector import partial_label_readers, resolve_method_class
+from wsod.modeling.method import MOVED_TO_METHOD
 
 __all__ = [
     "ConfigError",
@@ -441,20 +441,6 @@ def _student_problems(flat: Mapping[str, Any]) -> list[str]:
     return []
 
 
-def _method_class(name: Any) -> type[RefinementMethod] | None:
-    """The class ``method.name`` names: a built-in's, or a user's import path (``module:Class``) resolved
-    as ``wsod.build.build_method`` does; None when it cannot be (the build names that problem)."""
-    if name in METHODS:
-        return METHODS[name]
-    if not isinstance(name, str) or not (":" in name or "." in name):
-        return None
-    try:
-        found = pkgutil.resolve_name(name)
-    except Exception:  # whatever a user's module raises on import: build_method reports it in full
-        return None
-    return found if isinstance(found, type) and issubclass(found, RefinementMethod) else None
-
-
 def _partial_label_problems(flat: Mapping[str, Any]) -> list[str]:
     """A train set's partial-label side file for a method whose class declares it does not read them
     (``RefinementMethod.reads_partial_labels``): refused here, before anything is built, whatever share
@@ -470,10 +456,13 @@ def _partial_label_problems(flat: Mapping[str, Any]) -> list[str]:
     if not files:
         return []
     name = flat.get("method.name")
-    method_class = _method_class(name)
-    if method_class is None or method_class.reads_partial_labels:
+    try:
+        method_class = resolve_method_class(name)
+    except (ValueError, TypeError):  # an unknown name: the method rule, or the build, says so in full
         return []
-    readers = " or ".join(f"method={n}" for n, c in METHODS.items() if c.reads_partial_labels)
+    if method_class.reads_partial_labels:
+        return []
+    readers = partial_label_readers()
     return [
         f"data.train.sets.{i}.partial_labels={_show(path)}: method={name} ({method_class.__name__}) does not"
         f" read partial labels (points, scribbles, boxes) and would train on the image labels alone; train"

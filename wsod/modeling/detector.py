@@ -24,6 +24,7 @@ scores, the losses and inference all compute in full precision whatever context 
 
 from __future__ import annotations
 
+import pkgutil
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from functools import partial
 
@@ -75,6 +76,36 @@ METHODS: dict[str, type[RefinementMethod]] = {
     "pcl": PCLMethod,
     "wsddn": WSDDNMethod,
 }
+
+
+def resolve_method_class(name: str) -> type[RefinementMethod]:
+    """A built-in method's class (``METHODS``) or a class named by import path, ``module:Class`` or
+    ``module.Class`` (a method defined outside wsod, e.g. ``my_methods:PCL``)."""
+    if name in METHODS:
+        return METHODS[name]
+    expected = (
+        f"expected one of {sorted(METHODS)} or an import path module:ClassName of a RefinementMethod"
+        " subclass (its module on sys.path)"
+    )
+    module_name, _, class_name = name.rpartition(":") if ":" in name else name.rpartition(".")
+    if not module_name:
+        raise ValueError(f"unknown method.name='{name}': {expected}")
+    try:
+        method_class = pkgutil.resolve_name(name)  # module:Class and module.Class alike
+    except (ImportError, AttributeError, ValueError) as error:
+        problem = f"method.name='{name}': cannot import {module_name}, or it has no {class_name} ({error})"
+        raise ValueError(f"{problem}; {expected}") from error
+    if not (isinstance(method_class, type) and issubclass(method_class, RefinementMethod)):
+        problem = f"method.name='{name}': {module_name} has no RefinementMethod subclass {class_name}"
+        raise ValueError(f"{problem}; {expected}")
+    return method_class
+
+
+def partial_label_readers() -> str:
+    """The methods whose class reads partial labels, as the fix an error offers ("method=mist or
+    method=oicr"): read from ``METHODS`` at each call, so that a method added there is named too."""
+    return " or ".join(f"method={name}" for name, cls in METHODS.items() if cls.reads_partial_labels)
+
 
 ImageSize = tuple[int, int]
 Targets = Mapping[str, Tensor]
@@ -248,11 +279,10 @@ class WeaklySupervisedDetector(nn.Module):
             if not self.method.reads_partial_labels and any(
                 target.get(name) is not None and target[name].numel() for name in PARTIAL_LABEL_FIELDS
             ):
-                readers = " or ".join(f"method={n}" for n, c in METHODS.items() if c.reads_partial_labels)
                 raise ValueError(
                     f"targets[{i}] holds partial labels (points, scribbles or boxes), which"
-                    f" {type(self.method).__name__} does not read: train them with {readers}, or drop the"
-                    " data's partial_labels"
+                    f" {type(self.method).__name__} does not read: train them with"
+                    f" {partial_label_readers()}, or drop the data's partial_labels"
                 )
         stacked = torch.stack([target["labels"] for target in targets])
         if image_labels is None:
