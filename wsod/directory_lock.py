@@ -90,7 +90,7 @@ class DirectoryLock:
             return "unknown"
 
     def __enter__(self) -> DirectoryLock:
-        self.acquire()
+        self.acquire()  # nothing to do when held already
         return self
 
     def __exit__(self, *exc: object) -> None:

@@ -214,7 +214,7 @@ def run_in_directory(
         torch.set_num_threads(threads)
     directory = choose_output_dir(output_dir, parent, sweep=sweep)
     lock, note = _lock_and_claim(directory, cfg, claim, option)
-    try:
+    with lock if lock is not None else contextlib.nullcontext():  # released however the body ends
         setup_logging(directory, main)
         if note:
             logger.info(note)
@@ -227,9 +227,6 @@ def run_in_directory(
         if main:
             (directory / "error.txt").unlink(missing_ok=True)  # from an earlier attempt that this one redid
         return result
-    finally:
-        if lock is not None:
-            lock.release()
 
 
 def _lock_and_claim(
