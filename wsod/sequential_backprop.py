@@ -18,17 +18,26 @@ Correctness conditions (they follow from recomputation):
 * the module's parameters are explicit inputs of the autograd Function, and their gradients are summed
   over chunks and returned once, so each ``.grad`` is accumulated exactly once per backward, which is what
   DistributedDataParallel's gradient hooks require.
+
+Memory: the recompute runs the module on detached stand-ins of its parameters
+(``torch.func.functional_call``), so autograd's own AccumulateGrad sums each layer's gradient into the
+stand-in as soon as the layer's backward produces it, as it sums into ``.grad`` under a
+``torch.utils.checkpoint`` call per chunk. The step's memory is then that of the stock checkpoint per
+chunk or less (docs/BENCHMARKS.md, "wsod against the stock alternatives"), and the output is written
+into one buffer chunk by chunk instead of concatenated.
 """
 
 from __future__ import annotations
 
 import contextlib
 from collections.abc import Sequence
+from functools import partial
 from typing import Any
 
 import torch
 from torch import Tensor, nn
 from torch.autograd.function import once_differentiable
+from torch.func import functional_call
 from torch.utils.checkpoint import get_device_states, set_device_states
 
 __all__ = ["SequentialBackprop", "check_per_sample_module"]
@@ -76,14 +85,19 @@ class _ChunkPlan:
         return [x[start:end] if self.is_split(i, x) else x for i, x in enumerate(inputs)]
 
 
-def _shares_memory(a: Tensor, b: Tensor) -> bool:
-    return a.untyped_storage().data_ptr() == b.untyped_storage().data_ptr()
+def _accumulator_dtype(x: Tensor) -> torch.dtype:
+    """float32, or ``x``'s dtype when that is wider (float64)."""
+    return torch.promote_types(x.dtype, torch.float32) if x.is_floating_point() else x.dtype
 
 
-def _accumulator_like(x: Tensor) -> Tensor:
-    """Zeros shaped like ``x`` in float32, or in ``x``'s dtype when that is wider (float64)."""
-    dtype = torch.promote_types(x.dtype, torch.float32) if x.is_floating_point() else x.dtype
-    return torch.zeros_like(x, dtype=dtype)
+def _move_into_sum(sums: dict[int, Tensor], index: int, leaf: Tensor) -> None:
+    """Post-accumulate hook of a narrow shared leaf: add the chunk's gradient to ``sums[index]`` (in
+    ``_accumulator_dtype``) and release it."""
+    if index in sums:
+        sums[index] += leaf.grad
+    else:
+        sums[index] = leaf.grad.to(_accumulator_dtype(leaf))
+    leaf.grad = None
 
 
 def _autocast_state(device_type: str) -> dict[str, Any]:
@@ -103,6 +117,7 @@ class _SequentialBackpropFunction(torch.autograd.Function):
         module: nn.Module,
         plan: _ChunkPlan,
         preserve_rng_state: bool,
+        param_names: tuple[str, ...],
         num_inputs: int,
         *inputs_and_params: Any,
     ) -> Tensor:
@@ -118,7 +133,9 @@ class _SequentialBackpropFunction(torch.autograd.Function):
         ctx.preserve_rng_state = preserve_rng_state
         ctx.rng_states: list[tuple[Tensor, list[int], list[Tensor]]] = []
 
-        outputs = []
+        # The output is written chunk by chunk into one buffer: a list of chunk outputs concatenated at
+        # the end would hold the (N, ...) output twice at once.
+        result: Tensor | None = None
         for start, end in plan.bounds:  # grad mode is already off inside Function.forward
             chunk = plan.chunk(inputs, start, end)
             if preserve_rng_state:
@@ -134,11 +151,15 @@ class _SequentialBackpropFunction(torch.autograd.Function):
                         else ""
                     )
                 )
-            outputs.append(out)
+            if result is None:
+                result = out if end == plan.num_samples else out.new_empty((plan.num_samples, *out.shape[1:]))
+            if result is not out:
+                result[start:end] = out
+            del out
         ctx.save_for_backward(*(x if isinstance(x, Tensor) else None for x in inputs))
         ctx.non_tensor_inputs = {i: x for i, x in enumerate(inputs) if not isinstance(x, Tensor)}
-        ctx.params = params
-        return torch.cat(outputs) if len(outputs) > 1 else outputs[0]
+        ctx.named_params = tuple(zip(param_names, params, strict=True))
+        return result
 
     @staticmethod
     @once_differentiable
@@ -146,32 +167,52 @@ class _SequentialBackpropFunction(torch.autograd.Function):
         plan: _ChunkPlan = ctx.plan
         saved = ctx.saved_tensors
         inputs = [ctx.non_tensor_inputs.get(i, t) for i, t in enumerate(saved)]
-        params = ctx.params
-        needs_input_grad = ctx.needs_input_grad[4:]  # skip module, plan, preserve_rng_state, num_inputs
+        needs_input_grad = ctx.needs_input_grad[5:]  # skip module, plan, preserve_rng_state, names, count
         input_wants_grad = [isinstance(x, Tensor) and needs_input_grad[i] for i, x in enumerate(inputs)]
         param_wants_grad = list(needs_input_grad[ctx.num_inputs :])
 
-        # Shared inputs are detached once: every chunk's graph starts from the same leaf, and its
-        # per-chunk gradients are summed, in float32 at least (a bf16 feature map would otherwise lose
-        # the low bits of every chunk's contribution to rounding), cast back once at the end. Split
-        # inputs get one full-size buffer written slice by slice.
-        leaves = [
-            x.detach().requires_grad_(wants) if isinstance(x, Tensor) else x
-            for x, wants in zip(inputs, input_wants_grad, strict=True)
-        ]
-        input_grads: list[Tensor | None] = [
-            (_accumulator_like(x) if i in plan.shared else torch.zeros_like(x)) if wants else None
-            for i, (x, wants) in enumerate(zip(inputs, input_wants_grad, strict=True))
-        ]
-        param_grads: list[Tensor | None] = [None] * len(params)
-        grad_params = [p for p, wants in zip(params, param_wants_grad, strict=True) if wants]
+        # Every gradient is accumulated by autograd's own AccumulateGrad into a leaf of this backward,
+        # layer by layer as the chunk's backward produces it, exactly as a checkpoint per chunk
+        # accumulates into ``.grad``: the first chunk's gradient is kept as it is, later ones are added in
+        # place and freed at once. (``torch.autograd.grad`` would instead hold every parameter's gradient
+        # of a chunk until the chunk's backward ends: one extra copy of the parameters' gradients at the
+        # step's peak, 40 MB for ResNet-50's res5; issue 34.) The leaves are detached stand-ins, not the
+        # module's parameters, so the parameters' own ``.grad`` and DistributedDataParallel's hooks see
+        # exactly one accumulation, when this Function returns the sums.
+        # Shared inputs are summed in float32 at least (a bf16 feature map would otherwise lose the low
+        # bits of every chunk's contribution to rounding) and cast back once at the end: a narrower leaf
+        # hands each chunk's gradient, as autograd accumulated it, to a float32 sum and lets it go (no
+        # float32 copy of the input itself). Each chunk of a split input is its own leaf, copied into one
+        # full-size buffer.
+        stand_ins = {
+            name: p.detach().requires_grad_()
+            for (name, p), wants in zip(ctx.named_params, param_wants_grad, strict=True)
+            if wants
+        }
+        shared_leaves: dict[int, Tensor] = {}
+        wide_sums: dict[int, Tensor] = {}
+        input_grads: list[Tensor | None] = [None] * len(inputs)
+        for i, (x, wants) in enumerate(zip(inputs, input_wants_grad, strict=True)):
+            if not wants:
+                continue
+            if i in plan.shared:
+                shared_leaves[i] = x.detach().requires_grad_()
+                if _accumulator_dtype(x) != x.dtype:
+                    shared_leaves[i].register_post_accumulate_grad_hook(partial(_move_into_sum, wide_sums, i))
+            else:
+                input_grads[i] = torch.zeros_like(x)
 
         for chunk_index, (start, end) in enumerate(plan.bounds):
-            chunk = [
-                x[start:end].detach().requires_grad_(input_wants_grad[i]) if plan.is_split(i, x) else x
-                for i, x in enumerate(leaves)
-            ]
-            wrt_inputs = [x for x, wants in zip(chunk, input_wants_grad, strict=True) if wants]
+            leaves: dict[int, Tensor] = {}
+            chunk = []
+            for i, x in enumerate(inputs):
+                if i in shared_leaves:
+                    x = leaves[i] = shared_leaves[i]
+                elif plan.is_split(i, x):
+                    x = x[start:end].detach().requires_grad_(input_wants_grad[i])
+                    if input_wants_grad[i]:
+                        leaves[i] = x
+                chunk.append(x)
             rng = contextlib.nullcontext()
             if ctx.preserve_rng_state:
                 cpu_state, devices, device_states = ctx.rng_states[chunk_index]
@@ -185,34 +226,24 @@ class _SequentialBackpropFunction(torch.autograd.Function):
                     torch.autocast(ctx.device_type, **ctx.autocast_kwargs),
                     torch.autocast("cpu", **ctx.cpu_autocast_kwargs),
                 ):
-                    out = ctx.module(*chunk)
-            grads = torch.autograd.grad(
-                out, wrt_inputs + grad_params, grad_output[start:end], allow_unused=True
-            )
-            wanted_inputs = [i for i, wants in enumerate(input_wants_grad) if wants]
-            wanted_params = [j for j, wants in enumerate(param_wants_grad) if wants]
-            for i, g in zip(wanted_inputs, grads[: len(wrt_inputs)], strict=True):
-                if g is None:
-                    continue
-                if plan.is_split(i, inputs[i]):
-                    input_grads[i][start:end] = g
-                else:
-                    input_grads[i] += g
-            # Summed in place: `total + g` would hold three parameter-sized tensors at once, which for a
-            # large layer (VGG16's fc6: 400 MB) raised the step's peak by that much per chunk. The first
-            # chunk's gradient becomes the accumulator (copied only if autograd handed back the output
-            # gradient itself, which must not be written to).
-            for j, g in zip(wanted_params, grads[len(wrt_inputs) :], strict=True):
-                if g is None:
-                    continue
-                if param_grads[j] is None:
-                    param_grads[j] = g.clone() if _shares_memory(g, grad_output) else g
-                else:
-                    param_grads[j] += g
-            del out, grads, chunk, wrt_inputs
+                    out = functional_call(ctx.module, stand_ins, tuple(chunk))
+            wrt = list(leaves.values()) + list(stand_ins.values())
+            if out.requires_grad and wrt:
+                torch.autograd.backward(out, grad_output[start:end], inputs=wrt)
+            for i, leaf in leaves.items():
+                if i not in shared_leaves and leaf.grad is not None:
+                    input_grads[i][start:end] = leaf.grad
+            del out, chunk, leaves, wrt
 
-        input_grads = [g if g is None else g.to(x.dtype) for g, x in zip(input_grads, inputs, strict=True)]
-        return (None, None, None, None, *input_grads, *param_grads)
+        for i, leaf in shared_leaves.items():
+            grad = wide_sums.get(i, leaf.grad)
+            input_grads[i] = None if grad is None else grad.to(inputs[i].dtype)
+        param_grads: list[Tensor | None] = []
+        names = iter(stand_ins)
+        for wants in param_wants_grad:
+            param_grads.append(stand_ins[next(names)].grad if wants else None)
+        del stand_ins, shared_leaves  # the sums are referenced by the returned tuple alone
+        return (None, None, None, None, None, *input_grads, *param_grads)
 
 
 class SequentialBackprop(nn.Module):
@@ -292,7 +323,8 @@ class SequentialBackprop(nn.Module):
             with torch.no_grad():
                 return torch.cat([self.module(*plan.chunk(inputs, start, end)) for start, end in plan.bounds])
         check_per_sample_module(self.module)
-        params = [p for p in self.module.parameters() if p.requires_grad]
+        named = [(name, p) for name, p in self.module.named_parameters() if p.requires_grad]
+        names, params = tuple(name for name, _ in named), [p for _, p in named]
         return _SequentialBackpropFunction.apply(
-            self.module, plan, self.preserve_rng_state, len(inputs), *inputs, *params
+            self.module, plan, self.preserve_rng_state, names, len(inputs), *inputs, *params
         )
