@@ -8,6 +8,8 @@ Examples:
         --dtypes fp32,bf16 --budget-gb 16 --out benchmark_out/h200
     python tools/benchmark_rois.py --model r50_c4 --rois 256,512 --strategies plain,fused,auto \
         --chunk 8 --auto-budget-gb 4,0.5          # chunk_size=auto with a budget that fits, a tight one
+    python tools/benchmark_rois.py --model r50_c4 --image-size 600,800 --rois 64,512 --chunk 32 \
+        --strategies plain,fused,ckpt_chunk,offload,compile,vmap_chunk   # wsod against the stock tools
 
 Prints a table and writes results.csv, results.md and memory_time.png into --out.
 """
@@ -20,6 +22,7 @@ from pathlib import Path
 import torch
 
 from wsod.benchmarks.rois import (
+    CHUNKED,
     MODELS,
     STRATEGIES,
     format_table,
@@ -121,7 +124,7 @@ def main(argv: list[str] | None = None) -> None:
     runs = [
         (strategy, chunk, dtype == "bf16", budget)
         for strategy in args.strategies
-        for chunk in (args.chunk if split_variant(strategy)[0] in ("paper", "fused") else [None])
+        for chunk in (args.chunk if split_variant(strategy)[0] in CHUNKED else [None])
         for budget in (args.auto_budget_gb if split_variant(strategy)[0] == "auto" else [None])
         for dtype in args.dtypes
     ]
@@ -134,7 +137,7 @@ def main(argv: list[str] | None = None) -> None:
             chose = f" auto chose {m.auto_chunk} ({m.auto_mb_per_roi} MB/ROI)" if strategy == "auto" else ""
             print(
                 f"{strategy:<10} chunk={chunk!s:<5} {m.dtype} rois={rois:<6} peak={m.peak_mb:>9.1f} MB "
-                f"step={m.step_ms:>9.1f} ms {m.status}{chose}",
+                f"step={m.step_ms:>9.1f} ms {m.status}{chose}" + (f" ({m.note})" if m.note else ""),
                 flush=True,
             )
             write_csv(measurements, args.out / "results.csv")  # partial results survive an interruption

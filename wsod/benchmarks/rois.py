@@ -7,15 +7,21 @@ step) on a synthetic image with random proposals and labels, for one back-propag
 * ``checkpoint``: ``torch.utils.checkpoint`` around res5 (recomputes all ROIs at once in backward);
 * ``paper``: sequential backprop around res5 only, the pooled (R, C4, 14, 14) tensor kept (the paper);
 * ``fused``: wsod's sequential backprop with pooling and res5 recomputed together;
+* ``ckpt_chunk``, ``offload``, ``compile``, ``vmap_chunk``: the stock PyTorch alternatives around the
+  same body (pooling + res5), in ``wsod.benchmarks.stock_backprop``: a non-reentrant checkpoint per chunk
+  of ROIs, activation offloading, ``torch.compile`` with an activation memory budget, ``torch.func.vmap``
+  with a chunk size;
 * ``auto``: ``chunk_size="auto"`` with a budget for the pooling + neck (``auto_budget_gb``; ``None``: on
   CUDA the allocator's available memory less the margin, ``wsod.modeling.chunking``): plain autograd when
   the step's ROIs fit, else fused chunks of the largest size that does. Its rows record the choice
   (``auto_chunk``: ``plain`` or the chunk) and the measured per-ROI cost (``auto_mb_per_roi``).
 
-Peak memory: on CUDA ``torch.cuda.max_memory_allocated`` (reset before each measurement) minus the
-memory allocated after the model and the batch exist; on CPU the peak resident set size of a fresh
-process per measurement minus its peak after model and batch construction (see ``measure``). Step time:
-the median over ``steps`` steps after ``warmup`` steps.
+Peak memory: on CUDA ``torch.cuda.max_memory_allocated`` minus the memory allocated before the
+measured steps; on CPU the peak resident set size of a fresh process per measurement minus its resident
+size before the measured step (see ``measure``). Both are reset after the warm-up steps, and the
+gradients are released first, so the baseline is what persists between steps (model, batch, optimizer
+state). The CPU memory process runs no warm-up step, except for ``compile``, whose first step compiles.
+Step time: the median over ``steps`` steps after ``warmup`` steps.
 """
 
 from __future__ import annotations
@@ -35,6 +41,7 @@ import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
+from wsod.benchmarks.stock_backprop import STOCK_STRATEGIES, StockBackpropBody
 from wsod.engine.adversarial import DropBlockAdversary
 from wsod.engine.balancing import LossBalancer
 from wsod.engine.solver import build_scheduler
@@ -42,6 +49,7 @@ from wsod.modeling.detector import WeaklySupervisedDetector, build_backbone, det
 
 __all__ = [
     "STRATEGIES",
+    "CHUNKED",
     "VARIANTS",
     "split_variant",
     "MODELS",
@@ -62,7 +70,9 @@ __all__ = [
     "plot",
 ]
 
-STRATEGIES = ("plain", "checkpoint", "paper", "fused", "auto")
+STRATEGIES = ("plain", "checkpoint", "paper", "fused", "auto", *STOCK_STRATEGIES)
+# The strategies that take a chunk size (``--chunk``).
+CHUNKED = ("paper", "fused", "ckpt_chunk", "vmap_chunk")
 VARIANTS = ("dropblock", "gradnorm", "gradnorm_retain")
 # The DropBlock scorer's hidden width per model, as its config (configs/model/*.yaml) sets it.
 DROPBLOCK_HIDDEN = {"r50_c4": 256, "r101_c4": 256}
@@ -74,7 +84,8 @@ NUM_CLASSES = 20
 
 @dataclass
 class Measurement:
-    """One row of results.csv. ``peak_mb`` and ``step_ms`` are NaN when the step ran out of memory;
+    """One row of results.csv. ``peak_mb`` and ``step_ms`` are NaN when the step ran out of memory
+    (``status`` "oom") or torch.compile could not build it (``status`` "failed", ``note`` says why);
     ``baseline_mb`` is what model and batch took before the step (not included in ``peak_mb``). For
     ``auto``: ``budget_gb`` (None: found by itself on CUDA), ``auto_chunk`` ("plain" or the chunk it
     chose) and ``auto_mb_per_roi`` (its measured per-ROI cost)."""
@@ -94,6 +105,7 @@ class Measurement:
     auto_chunk: str = ""
     auto_mb_per_roi: float = math.nan
     auto_budget_mb: float = math.nan
+    note: str = ""
 
 
 class _CheckpointedNeck(nn.Module):
@@ -136,7 +148,7 @@ def build_benchmark_model(
     if strategy == "checkpoint":
         backbone = replace(backbone, neck=_CheckpointedNeck(backbone.neck))
     sequential = strategy in ("paper", "fused")
-    return detector_from_backbone(
+    detector = detector_from_backbone(
         backbone,
         NUM_CLASSES,
         chunk_size="auto" if strategy == "auto" else chunk if sequential else None,
@@ -146,6 +158,10 @@ def build_benchmark_model(
         dropblock=variant == "dropblock",
         dropblock_hidden=DROPBLOCK_HIDDEN.get(model),
     )
+    if strategy in STOCK_STRATEGIES:  # the same body (pooling + neck), wrapped the stock way
+        head = detector.roi_head
+        head.body = StockBackpropBody(strategy, head.body.module, chunk)
+    return detector
 
 
 def _optimizers(
@@ -250,7 +266,38 @@ def _synchronize(device: torch.device) -> None:
 
 
 def _peak_rss_mb() -> float:
+    """The process's peak resident set size in MB: Linux's VmHWM, which ``_reset_peak`` can reset, else
+    ``getrusage``'s maximum. (``getrusage`` also keeps the peak of every thread that has exited, which no
+    reset clears: after torch.compile's workers exit it stays at the compile's peak.)"""
+    try:
+        with open("/proc/self/status") as handle:
+            for line in handle:
+                if line.startswith("VmHWM:"):
+                    return int(line.split()[1]) / 1024  # kB
+    except OSError:
+        pass
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # Linux reports KiB
+
+
+def _reset_peak(device: torch.device) -> float:
+    """Start a peak measurement now; returns the baseline, the MB in use at this moment.
+
+    CUDA: the allocator's peak is reset to what is allocated. CPU: the process's peak resident set size
+    is reset to its current size by writing 5 to ``/proc/self/clear_refs`` (Linux 4.0 and later; read
+    back as VmHWM). Without that file (another OS) the peak cannot be reset: the
+    baseline is then the peak so far, which is the resident size before the first step as long as no
+    warm-up step ran."""
+    if device.type == "cuda":
+        _synchronize(device)
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats(device)
+        return torch.cuda.memory_allocated(device) / 2**20
+    try:
+        with open("/proc/self/clear_refs", "w") as handle:
+            handle.write("5")
+    except OSError:
+        pass
+    return _peak_rss_mb()
 
 
 def _run_measurement(
@@ -280,16 +327,13 @@ def _run_measurement(
     variant = split_variant(strategy)[1]
     optimizer, helper = _optimizers(model, variant, device)
     batch = synthetic_batch(image_size, rois, device)
-    if device.type == "cuda":
-        _synchronize(device)
-        torch.cuda.empty_cache()
-        torch.cuda.reset_peak_memory_stats(device)
-        baseline = torch.cuda.memory_allocated(device) / 2**20
-    else:
-        baseline = _peak_rss_mb()
     times = []
+    baseline = _reset_peak(device)
     try:
         for step in range(warmup + steps):
+            if step == warmup and warmup:  # the measured steps start from what persists between steps
+                optimizer.zero_grad(set_to_none=True)
+                baseline = _reset_peak(device)
             _synchronize(device)
             start = time.perf_counter()
             _training_step(model, optimizer, batch, amp, variant, helper)
@@ -300,6 +344,11 @@ def _run_measurement(
         del model, optimizer, helper, batch
         torch.cuda.empty_cache()
         return math.nan, math.nan, baseline, "oom", {}
+    except Exception as error:  # noqa: BLE001  only where torch.compile builds the step: a row, not a crash
+        if split_variant(strategy)[0] != "compile":
+            raise
+        reason = f"{type(error).__name__}: {str(error).strip().splitlines()[0] if str(error).strip() else ''}"
+        return math.nan, math.nan, math.nan, "failed", {"note": f"torch.compile failed: {reason}"[:300]}
     auto = _auto_choice(model) if split_variant(strategy)[0] == "auto" else {}
     if device.type == "cuda":
         peak = torch.cuda.max_memory_allocated(device) / 2**20 - baseline
@@ -390,7 +439,9 @@ def measure(
     auto_budget_gb = auto_budget_gb if split_variant(strategy)[0] == "auto" else None
     args = (model, strategy, chunk, rois, image_size, device, steps, warmup, amp, threads, limit_mb)
     args += (auto_budget_gb,)
-    memory_args = (*args[:6], 1, 0, amp, threads, limit_mb, auto_budget_gb)
+    # One step, or for compile a compiling step first (its peak is reset before the measured one).
+    memory_warmup = 1 if split_variant(strategy)[0] == "compile" else 0
+    memory_args = (*args[:6], 1, memory_warmup, amp, threads, limit_mb, auto_budget_gb)
     if torch.device(device).type == "cpu":
         peak, _, baseline, status, auto = _in_fresh_process(memory_args, {"MALLOC_MMAP_THRESHOLD_": "65536"})
         step_ms = _in_fresh_process(args, {})[1] if timed else math.nan
@@ -400,7 +451,7 @@ def measure(
     peak, step_ms, baseline, status, auto = result
     return Measurement(
         strategy=strategy,
-        chunk=chunk if split_variant(strategy)[0] in ("paper", "fused") else None,
+        chunk=chunk if split_variant(strategy)[0] in CHUNKED else None,
         rois=rois,
         peak_mb=round(peak, 1),
         step_ms=round(step_ms, 1),
@@ -414,6 +465,7 @@ def measure(
         auto_chunk=auto.get("auto_chunk", ""),
         auto_mb_per_roi=auto.get("auto_mb_per_roi", math.nan),
         auto_budget_mb=auto.get("auto_budget_mb", math.nan),
+        note=auto.get("note", ""),
     )
 
 
@@ -563,6 +615,7 @@ def summarize(measurements: Sequence[Measurement]) -> list[str]:
             memory = f"{m.peak_mb / peak_mb[key]:.2f}" if peak_mb[key] > 0 else "n/a (no rise without it)"
             compared = f"- {_label_of(m)} / without +{variant} at {m.rois} ROIs"
             lines.append(f"{compared}: {timed}peak memory {memory}")
+    lines += [f"- {_label_of(m)} at {m.rois} ROIs: {m.note}" for m in measurements if m.note]
     return lines + _auto_lines(measurements)
 
 
