@@ -65,7 +65,7 @@ TINY = {
 }
 TTA_SCALES = [800, 480, 576, 688, 864, 1000, 1200]  # the reference's 14 views with flips (configs/data)
 TINY_TTA_SCALES = [80, 48, 56, 64, 88, 100, 120]
-PARTS = ("env", "rois_r50_c4", "rois_vgg16", "budget_16gb", "data", "train", "eval")
+PARTS = ("env", "rois_r50_c4", "rois_compile", "rois_vgg16", "budget_16gb", "data", "train", "eval")
 
 
 def _write_json(path: Path, value: Any) -> None:
@@ -258,11 +258,12 @@ def _train(work: Path, device: str, sizes: dict[str, Any]) -> dict[str, Any]:
     trend = loss_trend(rows)
     log = (run_dir / "log.txt").read_text()
     train_rows = [r for r in rows if r.get("kind") == "train"]
-    # The dry run's 4 tiny steps say nothing about learning: there, finite is enough.
-    learning = trend["decreasing"] or sizes is TINY
+    # Random labels on random images: 50 steps teach nothing (the H200 run of 2026-12-04 logged 0.466
+    # first and 0.470 last), so a finite loss at every logged step and every iteration run is the check;
+    # the trend is reported beside it.
     return {
         **trend,
-        "ok": trend["finite"] and learning and summary["iteration"] == sizes["iterations"],
+        "ok": trend["finite"] and summary["iteration"] == sizes["iterations"],
         "iterations": summary["iteration"],
         "skipped_steps": summary["skipped_steps"],
         "seconds": seconds,
@@ -411,14 +412,15 @@ def write_report(work: Path, out: Path) -> Path:
         lines.append(f"| {name} | {_status(part)} | {seconds} |")
     lines.append("")
     lines += _rois_section(work, "rois_r50_c4", "ROI benchmark (ResNet-50 C4)")
+    lines += _rois_section(work, "rois_compile", "ROI benchmark, torch.compile (ResNet-50 C4)")
     lines += _rois_section(work, "rois_vgg16", "ROI benchmark (VGG16)")
     lines += _rois_section(work, "budget_16gb", "Most ROIs within a budget (16 GB, the allocator capped)")
 
     train = _read_json(work / "train.json")
     lines += ["## Training at real size", ""]
     if train:
-        verdict = "finite and decreasing" if train["finite"] and train["decreasing"] else "NOT decreasing"
-        verdict = verdict if train["finite"] else "NOT finite"
+        trend = "falling" if train["decreasing"] else "not falling (random labels: not expected to)"
+        verdict = f"finite, {trend}" if train["finite"] else "NOT finite"
         peak = f"peak {train['max_memory_mb']:.0f} MB allocated" if train["max_memory_mb"] else "CPU"
         lines += [
             f"{train['settings']}: {train['iterations']} iterations in {train['seconds']:.0f} s"
@@ -450,13 +452,14 @@ def write_report(work: Path, out: Path) -> Path:
         lines += ["No result (see the status table and gpu_check.log).", ""]
     report = out / "report.md"
     report.write_text("\n".join(lines))
-    for name in ("rois_r50_c4", "rois_vgg16", "budget_16gb"):
-        for suffix in ("csv", "png"):
+    # At most 8 files come back from a device machine: the two ROI tables' plots, every part's csv. The
+    # training losses are in the report itself.
+    plots = ("rois_r50_c4", "rois_vgg16")
+    for name in ("rois_r50_c4", "rois_compile", "rois_vgg16", "budget_16gb"):
+        for suffix in ("csv", "png") if name in plots else ("csv",):
             source = work / name / ("results.csv" if suffix == "csv" else "memory_time.png")
             if source.exists():
                 shutil.copy(source, out / f"{name}.{suffix}")
-    if (work / "train_metrics.jsonl").exists():
-        shutil.copy(work / "train_metrics.jsonl", out / "train_metrics.jsonl")
     return report
 
 
