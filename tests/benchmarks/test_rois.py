@@ -5,6 +5,7 @@ from __future__ import annotations
 import csv
 import importlib.util
 import math
+import os
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -13,6 +14,7 @@ import torch
 from alive_probe import AliveProbe
 
 from wsod.benchmarks.rois import (
+    _in_fresh_process,
     _training_step,
     build_benchmark_model,
     cap_cuda_memory,
@@ -182,3 +184,15 @@ def test_the_fused_per_roi_memory_stays_a_small_share_of_plain_autograds():
     plain_slope, _ = linear_fit([m.rois for m in plain], [m.peak_mb for m in plain])
     fused_slope, _ = linear_fit([m.rois for m in fused], [m.peak_mb for m in fused])
     assert fused_slope / plain_slope < 0.003, (fused_slope, plain_slope)
+
+
+def _dies_without_reporting(queue, args):
+    os._exit(3)
+
+
+def test_a_measurement_process_that_dies_is_an_error_not_a_hang():
+    args = ("r18_c4", "fused", 4, 8, (64, 64), "cpu", 1, 0, False, None, None, None)
+    with pytest.raises(
+        RuntimeError, match="exited with code 3 before reporting a result \\(fused at 8 ROIs\\)"
+    ):
+        _in_fresh_process(args, {}, target=_dies_without_reporting)

@@ -30,6 +30,7 @@ import csv
 import math
 import multiprocessing
 import os
+import queue as queue_module
 import resource
 import statistics
 import time
@@ -389,11 +390,14 @@ def _child(queue: multiprocessing.Queue, args: tuple) -> None:
         queue.put(error)
 
 
-def _in_fresh_process(args: tuple, env: dict[str, str]) -> tuple[float, float, float, str, dict]:
-    """Run ``_run_measurement(*args)`` in a new interpreter with extra environment variables."""
+def _in_fresh_process(
+    args: tuple, env: dict[str, str], target: Callable = _child
+) -> tuple[float, float, float, str, dict]:
+    """Run ``_run_measurement(*args)`` in a new interpreter with extra environment variables (``target``
+    puts its result or error on the queue: ``_child``, or a stand-in in the tests)."""
     context = multiprocessing.get_context("spawn")
     queue = context.Queue()
-    process = context.Process(target=_child, args=(queue, args))
+    process = context.Process(target=target, args=(queue, args))
     saved = {name: os.environ.get(name) for name in env}
     os.environ.update(env)  # a spawned child copies the environment when it starts
     try:
@@ -404,7 +408,19 @@ def _in_fresh_process(args: tuple, env: dict[str, str]) -> tuple[float, float, f
                 os.environ.pop(name, None)
             else:
                 os.environ[name] = value
-    result = queue.get()
+    # Polled, so that a child that dies without reporting (killed for memory, or unable to start) is an
+    # error rather than a parent waiting forever.
+    while True:
+        try:
+            result = queue.get(timeout=1.0)
+            break
+        except queue_module.Empty:
+            if not process.is_alive() and queue.empty():
+                process.join()
+                raise RuntimeError(
+                    f"the measurement process exited with code {process.exitcode} before reporting a result"
+                    f" ({args[1]} at {args[3]} ROIs); was it killed for memory?"
+                ) from None
     process.join()
     if isinstance(result, BaseException):
         raise result
