@@ -459,12 +459,14 @@ def measure(
     memory_warmup = 1 if split_variant(strategy)[0] == "compile" else 0
     memory_args = (*args[:6], 1, memory_warmup, amp, threads, limit_mb, auto_budget_gb)
     if torch.device(device).type == "cpu":
-        peak, _, baseline, status, auto = _in_fresh_process(memory_args, {"MALLOC_MMAP_THRESHOLD_": "65536"})
-        step_ms = _in_fresh_process(args, {})[1] if timed else math.nan
-        result = (peak, step_ms, baseline, status, auto)
+        pinned = {"MALLOC_MMAP_THRESHOLD_": "65536"}
+        peak, _, baseline, status, details = _in_fresh_process(memory_args, pinned)
+        # Timed only when the step ran: a step that failed to compile would fail again.
+        step_ms = _in_fresh_process(args, {})[1] if timed and status == "ok" else math.nan
+        result = (peak, step_ms, baseline, status, details)
     else:
         result = _run_measurement(*(args if timed else memory_args))
-    peak, step_ms, baseline, status, auto = result
+    peak, step_ms, baseline, status, details = result
     return Measurement(
         strategy=strategy,
         chunk=chunk if split_variant(strategy)[0] in CHUNKED else None,
@@ -478,10 +480,10 @@ def measure(
         baseline_mb=round(baseline, 1),
         status=status,
         budget_gb=auto_budget_gb,
-        auto_chunk=auto.get("auto_chunk", ""),
-        auto_mb_per_roi=auto.get("auto_mb_per_roi", math.nan),
-        auto_budget_mb=auto.get("auto_budget_mb", math.nan),
-        note=auto.get("note", ""),
+        auto_chunk=details.get("auto_chunk", ""),
+        auto_mb_per_roi=details.get("auto_mb_per_roi", math.nan),
+        auto_budget_mb=details.get("auto_budget_mb", math.nan),
+        note=details.get("note", ""),
     )
 
 
