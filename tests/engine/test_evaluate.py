@@ -1,5 +1,6 @@
 """The evaluation path on test sets without boxes (classification mAP of the detector's image scores),
-per-class values, the kept random baseline and the tensorboard previews of each evaluation."""
+per-class values, the kept random baseline, the tensorboard previews of each evaluation, and the result
+files each dataset's result_format writes."""
 
 from __future__ import annotations
 
@@ -17,7 +18,7 @@ from pycocotools.cocoeval import COCOeval
 import wsod.engine.evaluate as evaluate
 from wsod.build import build_model
 from wsod.data.coco import CocoDataset
-from wsod.data.dataset import WeakDetectionDataset
+from wsod.data.dataset import RESULT_FORMATS, WeakDetectionDataset
 from wsod.data.proposals import ProposalSet
 from wsod.data.toy import TOY_CLASSES, ensure_toy_dataset
 from wsod.engine.evaluate import NO_BOXES, Evaluator, evaluate_detections, write_evaluation
@@ -222,3 +223,80 @@ def test_the_coco_random_baseline_line_prints_undefined_values_as_the_table_does
     write_evaluation(result, dataset, tmp_path / "eval")
     written = json.loads((tmp_path / "eval" / "metrics.json").read_text())
     assert written["random_APl"] == written["random_ARl"] == -1.0  # the raw numbers are kept
+
+
+# -- result files: each dataset's own result_format decides them, no class check in evaluate.py -----------
+
+
+def _one_detection_each(dataset):
+    box = {"boxes": torch.tensor([[1.0, 2.0, 10.0, 12.0]]), "scores": torch.tensor([0.9])}
+    return [{**box, "labels": torch.tensor([i % dataset.num_classes])} for i in range(len(dataset))]
+
+
+def _files(folder):
+    return sorted(str(p.relative_to(folder)) for p in folder.rglob("*") if p.is_file())
+
+
+def _folder_test_set(tmp_path):
+    from folder_data import write_image_folder
+
+    from wsod.data.folder import FolderDataset, proposals_path
+    from wsod.data.proposals.store import write_proposal_store
+
+    root = tmp_path / "mine"
+    names = list(write_image_folder(root, num_train=2, num_test=2))
+    boxes = [np.array([[0, 0, 30, 30], [10, 10, 60, 60]], np.float32) for _ in names]
+    write_proposal_store(ProposalSet(names, boxes), proposals_path(root))
+    return FolderDataset(root, "test")
+
+
+@pytest.mark.parametrize("kind", ["voc", "label_only", "coco", "folder"])
+def test_each_dataset_writes_the_result_files_of_its_format(kind, toy_test, tmp_path):
+    from wsod.evaluation import coco, voc
+
+    dataset = {
+        "voc": lambda: toy_test,
+        "label_only": lambda: _label_only(toy_test),  # the base class: devkit files
+        "coco": lambda: _coco_test_set(tmp_path, filled=True)[1],
+        "folder": lambda: _folder_test_set(tmp_path),
+    }[kind]()
+    detections = _one_detection_each(dataset)
+    write_evaluation(evaluate.Evaluation(detections, {"m": 0.5}, "report"), dataset, tmp_path / "eval")
+    common = ["metrics.json", "predictions.pth", "report.txt"]
+    written, expected = tmp_path / "eval", tmp_path / "expected"
+    if kind == "coco":
+        assert dataset.result_format == "coco" and _files(written) == sorted([*common, "coco_results.json"])
+        results = coco.to_coco_results(detections, dataset.image_ids, dataset.category_ids)
+        assert json.loads((written / "coco_results.json").read_text()) == results
+    elif kind == "folder":  # tools/predict.py's format: file names, not devkit ids
+        assert dataset.result_format == "named" and _files(written) == sorted([*common, "predictions.json"])
+        results = coco.to_named_results(detections, dataset.image_ids, dataset.classes)
+        assert json.loads((written / "predictions.json").read_text()) == results
+        assert {r["file_name"] for r in results} == set(dataset.image_ids)
+    else:
+        assert dataset.result_format == "voc"
+        voc.write_voc_results(detections, [str(i) for i in dataset.image_ids], dataset.classes, expected)
+        devkit = [f"voc_results/{name}" for name in _files(expected)]
+        assert len(devkit) == len(TOY_CLASSES) and _files(written) == sorted([*common, *devkit])
+        for name in _files(expected):
+            assert (written / "voc_results" / name).read_text() == (expected / name).read_text()
+
+
+def test_a_dataset_of_an_unknown_result_format_is_refused_before_predicting_or_writing(toy_test, tmp_path):
+    assert set(evaluate.RESULT_WRITERS) == set(RESULT_FORMATS)
+
+    class Odd(WeakDetectionDataset):
+        result_format = "odd"
+
+    dataset = Odd(toy_test.records, toy_test.classes, toy_test.proposals)
+    expected = r"^Odd.result_format is 'odd'; expected one of \['voc', 'coco', 'named'\]"
+    with pytest.raises(ValueError, match=expected):
+        Evaluator(dataset, scales=[160], max_size=1000, num_workers=0, progress=False)
+    with pytest.raises(ValueError, match=expected):
+        write_evaluation(evaluate.Evaluation([], {}, ""), dataset, tmp_path / "eval")
+    assert not (tmp_path / "eval").exists()
+
+
+def test_the_coco_metric_asks_for_a_coco_json_test_set(toy_test):
+    with pytest.raises(ValueError, match="^metric 'coco' needs a COCO json test set, not VOCDataset"):
+        evaluate_detections(_one_detection_each(toy_test), toy_test, metric="coco")

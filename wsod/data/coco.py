@@ -52,7 +52,7 @@ import numpy as np
 from pycocotools.coco import COCO
 
 from wsod.data.box_formats import coco_xywh_to_xyxy
-from wsod.data.dataset import ImageRecord, Transform, WeakDetectionDataset, image_size_from_header
+from wsod.data.dataset import ImageRecord, WeakDetectionDataset, image_size_from_header
 from wsod.data.json_files import read_json, whole_number
 from wsod.data.partial_labels import partial_labels_of_coco_annotation, supervision_of
 from wsod.data.proposals import ProposalSet
@@ -304,28 +304,26 @@ class CocoDataset(WeakDetectionDataset):
     """A COCO-format json with proposals, e.g. ``CocoDataset(ann_json, "data/coco/train2017", p)``.
 
     Attributes: ``category_ids`` (class index -> category id) and ``category_index`` (the reverse);
-    ``coco``, the normalised ground truth COCO evaluation scores against. See ``WeakDetectionDataset``
-    for the other arguments; pass ``drop_unlabelled=True`` for training.
+    ``coco``, the normalised ground truth COCO evaluation scores against. ``options``:
+    ``WeakDetectionDataset``'s keyword arguments (transform, max_proposals, ...); pass
+    ``drop_unlabelled=True`` for training. Detections are written as a COCO results json
+    (``result_format`` "coco"), which the ``coco`` metric scores.
     """
+
+    result_format = "coco"
 
     def __init__(
         self,
         annotation_file: str | os.PathLike,
         image_root: str | os.PathLike,
         proposals: ProposalSet | str | os.PathLike,
-        *,
-        transform: Transform | None = None,
-        min_proposal_size: float = 2.0,
-        max_proposals: int | None = None,
-        drop_unlabelled: bool = False,
-        check_files: bool = True,
-        partial_labels: str | os.PathLike | None = None,
+        **options: Any,
     ) -> None:
         self.annotation_file = Path(annotation_file)
         if self.annotation_file.is_file():  # before the read: a rewrite during it is seen later too
             self._file_state = _file_state(self.annotation_file)
         records, self.category_ids, classes = load_coco_records(annotation_file, image_root)
-        if drop_unlabelled and not any(r.labels.any() for r in records):
+        if options.get("drop_unlabelled") and not any(r.labels.any() for r in records):
             # Said here, where the file is known: the base class would refuse it without naming it.
             raise ValueError(
                 f"{annotation_file}: none of its {len(records)} images has a label (no annotation names a"
@@ -333,17 +331,7 @@ class CocoDataset(WeakDetectionDataset):
                 " annotations, one per image and class present is enough"
             )
         self.category_index: dict[Hashable, int] = {c: i for i, c in enumerate(self.category_ids)}
-        super().__init__(
-            records,
-            classes,
-            proposals,
-            transform=transform,
-            min_proposal_size=min_proposal_size,
-            max_proposals=max_proposals,
-            drop_unlabelled=drop_unlabelled,
-            check_files=check_files,
-            partial_labels=partial_labels,
-        )
+        super().__init__(records, classes, proposals, **options)
 
     @functools.cached_property
     def coco(self) -> COCO:

@@ -56,6 +56,7 @@ from wsod.data.proposals import ProposalSet, filter_proposals, load_proposals, w
 from wsod.data.targets import check_supervision, make_targets
 
 __all__ = [
+    "RESULT_FORMATS",
     "ImageRecord",
     "WeakDetectionDataset",
     "ConcatWeakDataset",
@@ -67,6 +68,15 @@ logger = logging.getLogger(__name__)
 
 ImageId = Hashable
 Transform = Callable[[dict], dict]
+
+# How an evaluation writes a dataset's detections (``WeakDetectionDataset.result_format``; the writers are
+# ``wsod.engine.evaluate``'s, which this package sits below):
+# - "voc": VOC devkit result files, one per class (``voc_results/``), under ``str(image_id)``;
+# - "coco": a COCO results json (``coco_results.json``) under the image ids and the dataset's
+#   ``category_ids``; such a dataset also holds its ground truth as ``coco`` (a pycocotools index) and
+#   its ``annotation_file``, so that the ``coco`` metric (COCOeval) can score it;
+# - "named": ``predictions.json`` under the image file names (tools/predict.py's format).
+RESULT_FORMATS = ("voc", "coco", "named")
 
 
 @dataclass(frozen=True)
@@ -118,6 +128,11 @@ def image_size_from_header(path: str | os.PathLike) -> tuple[int, int]:
 class WeakDetectionDataset(Dataset):
     """Images with image-level labels and proposals (see the module docstring for items and errors).
 
+    A format's subclass (``VOCDataset``, ``CocoDataset``, ``FolderDataset``) reads its files into
+    ``records`` and ``classes`` and passes the keyword arguments below (its ``**options``) on unchanged.
+    ``result_format`` (a class attribute, one of ``RESULT_FORMATS``): how an evaluation writes this
+    dataset's detections, "voc" unless a subclass says otherwise.
+
     Args:
         records: one ``ImageRecord`` per image.
         classes: the C class names, index = class index.
@@ -132,6 +147,8 @@ class WeakDetectionDataset(Dataset):
         partial_labels: a side file of points, scribbles and boxes on some objects
             (``wsod.data.partial_labels``), attached to the records it names as their ``supervision``.
     """
+
+    result_format: str = "voc"
 
     def __init__(
         self,

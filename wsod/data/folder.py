@@ -70,11 +70,12 @@ from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path, PurePosixPath
+from typing import Any
 
 import numpy as np
 
 from wsod.atomic import atomic_write
-from wsod.data.dataset import ImageRecord, Transform, WeakDetectionDataset, image_size_from_header
+from wsod.data.dataset import ImageRecord, WeakDetectionDataset, image_size_from_header
 from wsod.data.proposals import MissingProposalsError, ProposalSet, ProposalSizeError
 
 __all__ = [
@@ -418,9 +419,13 @@ class FolderDataset(WeakDetectionDataset):
 
     ``proposals``: a ``ProposalSet`` or a proposal file; None reads the folder's store
     (``proposals_path``). ``classes``: the class list; ``split_seed``, ``test_fraction``: the split of a
-    labels.csv without a split column (see the module docstring). The other arguments are
-    ``WeakDetectionDataset``'s. Image ids are the paths relative to ``images/``.
+    labels.csv without a split column (see the module docstring). ``options``: ``WeakDetectionDataset``'s
+    keyword arguments (transform, max_proposals, ...). Image ids are the paths relative to ``images/``;
+    detections are written under them, tools/predict.py's ``predictions.json`` (``result_format``
+    "named").
     """
+
+    result_format = "named"
 
     def __init__(
         self,
@@ -431,29 +436,15 @@ class FolderDataset(WeakDetectionDataset):
         classes: Sequence[str] | None = None,
         split_seed: int = SPLIT_SEED,
         test_fraction: float = TEST_FRACTION,
-        transform: Transform | None = None,
-        min_proposal_size: float = 2.0,
-        max_proposals: int | None = None,
-        drop_unlabelled: bool = False,
-        check_files: bool = True,
-        partial_labels: str | os.PathLike | None = None,
+        **options: Any,
     ) -> None:
         self.root, self.split = Path(root), split
         records, names = load_folder_records(
             root, split, classes, split_seed=split_seed, test_fraction=test_fraction
         )
+        proposals = require_proposals(root) if proposals is None else proposals
         try:
-            super().__init__(
-                records,
-                names,
-                require_proposals(root) if proposals is None else proposals,
-                transform=transform,
-                min_proposal_size=min_proposal_size,
-                max_proposals=max_proposals,
-                drop_unlabelled=drop_unlabelled,
-                check_files=check_files,
-                partial_labels=partial_labels,
-            )
+            super().__init__(records, names, proposals, **options)
         except MissingProposalsError as error:
             raise MissingProposalsError(
                 f"{error} labels.csv lists images the proposals were not made for: run"

@@ -21,11 +21,12 @@ import os
 import xml.etree.ElementTree as ET
 from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
 from wsod.data.box_formats import from_one_based
-from wsod.data.dataset import ImageRecord, Transform, WeakDetectionDataset, image_size_from_header
+from wsod.data.dataset import ImageRecord, WeakDetectionDataset, image_size_from_header
 from wsod.data.proposals import ProposalSet
 
 __all__ = ["VOC_CLASSES", "VOCDataset", "parse_voc_xml", "read_image_set", "load_voc_records"]
@@ -146,8 +147,12 @@ def load_voc_records(
 class VOCDataset(WeakDetectionDataset):
     """A VOCdevkit image set with proposals, e.g. ``VOCDataset("data/VOCdevkit", "2007", "trainval", p)``.
 
-    ``proposals`` is a ``ProposalSet`` or a proposal file path; see ``WeakDetectionDataset`` for the rest.
+    ``proposals`` is a ``ProposalSet`` or a proposal file path; ``classes`` the class names the xml files
+    use. ``options``: ``WeakDetectionDataset``'s keyword arguments (transform, max_proposals, ...).
+    Detections are written as VOC devkit files (``result_format`` "voc").
     """
+
+    result_format = "voc"
 
     def __init__(
         self,
@@ -157,22 +162,8 @@ class VOCDataset(WeakDetectionDataset):
         proposals: ProposalSet | str | os.PathLike,
         *,
         classes: Sequence[str] = VOC_CLASSES,
-        transform: Transform | None = None,
-        min_proposal_size: float = 2.0,
-        max_proposals: int | None = None,
-        drop_unlabelled: bool = False,
-        check_files: bool = True,
-        partial_labels: str | os.PathLike | None = None,
+        **options: Any,
     ) -> None:
         self.devkit, self.year, self.image_set = Path(devkit), str(year), image_set
-        super().__init__(
-            load_voc_records(devkit, self.year, image_set, classes),
-            classes,
-            proposals,
-            transform=transform,
-            min_proposal_size=min_proposal_size,
-            max_proposals=max_proposals,
-            drop_unlabelled=drop_unlabelled,
-            check_files=check_files,
-            partial_labels=partial_labels,
-        )
+        records = load_voc_records(devkit, self.year, image_set, classes)
+        super().__init__(records, classes, proposals, **options)

@@ -21,16 +21,14 @@ from __future__ import annotations
 
 import json
 import logging
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
 from torch import Tensor
 
-from wsod.data.coco import CocoDataset
-from wsod.data.dataset import WeakDetectionDataset
-from wsod.data.folder import FolderDataset
+from wsod.data.dataset import RESULT_FORMATS, WeakDetectionDataset
 from wsod.distributed import broadcast_object, is_main_process
 from wsod.engine.checkpoint import save_checkpoint
 from wsod.engine.inference import predict, random_detections
@@ -43,9 +41,11 @@ __all__ = [
     "Evaluation",
     "Evaluator",
     "NO_BOXES",
+    "RESULT_WRITERS",
     "evaluate_detections",
     "primary_metric",
     "random_baseline_line",
+    "result_writer",
     "score_detections",
     "write_evaluation",
 ]
@@ -76,8 +76,9 @@ def evaluate_detections(
 
     ``metric`` "voc07" or "area": devkit AP at IoU >= 0.5 (``mAP``) and CorLoc at IoU > 0.5 (``CorLoc``),
     with a per-class table and a ``copypaste:`` line. "coco": the 12 COCOeval stats (``AP``, ``AP50``,
-    ...) through pycocotools, for a ``CocoDataset``. A dataset without ground-truth boxes: ``cls_mAP``,
-    the classification mAP of the detections' ``image_scores`` (see the module docstring).
+    ...) through pycocotools, for a dataset whose ``result_format`` is "coco" (``CocoDataset``: it holds
+    its ground truth as ``coco``). A dataset without ground-truth boxes: ``cls_mAP``, the classification
+    mAP of the detections' ``image_scores`` (see the module docstring).
     """
     metrics, report, _ = score_detections(detections, dataset, metric=metric)
     return metrics, report
@@ -93,7 +94,7 @@ def score_detections(
     if not dataset.has_ground_truth:
         return _classification(detections, dataset, metric)
     if metric == "coco":
-        if not isinstance(dataset, CocoDataset):
+        if dataset.result_format != "coco":  # a COCO json's dataset: its ground truth and category ids
             raise ValueError(
                 f"metric 'coco' needs a COCO json test set, not {type(dataset).__name__}; use voc07 or area"
             )
@@ -189,6 +190,7 @@ class Evaluator:
     ) -> None:
         if metric not in METRICS:
             raise ValueError(f"unknown metric '{metric}': expected one of {METRICS}")
+        result_writer(dataset)  # a dataset whose results cannot be written: refused before any prediction
         self.dataset = dataset
         self.scales, self.max_size, self.flip = list(scales), max_size, flip
         self.batch_size, self.num_workers = batch_size, num_workers
@@ -260,12 +262,47 @@ class Evaluator:
         return previews
 
 
+def _write_voc_results(detections: Detections, dataset: WeakDetectionDataset, out_dir: Path) -> None:
+    image_ids = [str(i) for i in dataset.image_ids]
+    voc.write_voc_results(detections, image_ids, dataset.classes, out_dir / "voc_results")
+
+
+def _write_coco_results(detections: Detections, dataset: WeakDetectionDataset, out_dir: Path) -> None:
+    results = coco.to_coco_results(detections, dataset.image_ids, dataset.category_ids)
+    coco.save_coco_results(results, out_dir / "coco_results.json")
+
+
+def _write_named_results(detections: Detections, dataset: WeakDetectionDataset, out_dir: Path) -> None:
+    # tools/predict.py's format: file names, not devkit ids
+    results = coco.to_named_results(detections, [str(i) for i in dataset.image_ids], dataset.classes)
+    coco.save_coco_results(results, out_dir / "predictions.json")
+
+
+# A dataset's ``result_format`` (``wsod.data.dataset.RESULT_FORMATS``) -> what writes its detections.
+RESULT_WRITERS = {"voc": _write_voc_results, "coco": _write_coco_results, "named": _write_named_results}
+
+
+def result_writer(dataset: WeakDetectionDataset) -> Callable[[Detections, WeakDetectionDataset, Path], None]:
+    """What writes ``dataset``'s detections: the writer of its ``result_format``; one line when the
+    dataset names a format no writer has (checked when an ``Evaluator`` is made, not after a run)."""
+    writer = RESULT_WRITERS.get(dataset.result_format)
+    if writer is None:
+        raise ValueError(
+            f"{type(dataset).__name__}.result_format is {dataset.result_format!r}; expected one of"
+            f" {list(RESULT_FORMATS)} (wsod.data.dataset.RESULT_FORMATS)"
+        )
+    return writer
+
+
 def write_evaluation(evaluation: Evaluation, dataset: WeakDetectionDataset, out_dir: str | Path) -> None:
     """On the main process: predictions.pth, metrics.json (with the random baseline), report.txt, and
-    VOC devkit result files (``voc_results/``), a COCO results json, or for a folder dataset
-    ``predictions.json`` (``coco.to_named_results``, the format of tools/predict.py); logs the report."""
+    the result files of the dataset's ``result_format`` (``RESULT_WRITERS``): VOC devkit result files
+    (``voc_results/``), a COCO results json (``coco_results.json``), or ``predictions.json`` under the
+    image file names (``coco.to_named_results``, the format of tools/predict.py; a folder dataset's);
+    logs the report."""
     if not is_main_process():
         return
+    writer = result_writer(dataset)
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     detections = evaluation.detections
@@ -273,13 +310,5 @@ def write_evaluation(evaluation: Evaluation, dataset: WeakDetectionDataset, out_
     metrics = {**evaluation.metrics, **evaluation.extra}
     (out_dir / "metrics.json").write_text(json.dumps(metrics, indent=1) + "\n")
     (out_dir / "report.txt").write_text(evaluation.report + "\n")
-    if isinstance(dataset, FolderDataset):  # tools/predict.py's format: file names, not devkit ids
-        results = coco.to_named_results(detections, [str(i) for i in dataset.image_ids], dataset.classes)
-        coco.save_coco_results(results, out_dir / "predictions.json")
-    elif isinstance(dataset, CocoDataset):
-        results = coco.to_coco_results(detections, dataset.image_ids, dataset.category_ids)
-        coco.save_coco_results(results, out_dir / "coco_results.json")
-    else:
-        image_ids = [str(i) for i in dataset.image_ids]
-        voc.write_voc_results(detections, image_ids, dataset.classes, out_dir / "voc_results")
+    writer(detections, dataset, out_dir)
     logger.info("results on %d test images (written to %s):\n%s", len(dataset), out_dir, evaluation.report)
