@@ -1,6 +1,7 @@
 """wsod/build.py: refinement methods from method configs (by name or import path), checkpoints back into
 detectors (load_detector, old layouts included), GradNorm's loss count, the training transform and the
-scheduler from their configs, and the refusal of partial labels for a method that does not read them."""
+scheduler from their configs, the refusal of partial labels for a method that does not read them, and the
+data functions' one look-up of data.kind among the registered dataset formats (wsod.data.formats)."""
 
 from __future__ import annotations
 
@@ -23,6 +24,7 @@ from wsod.build import (
     check_partial_labels_read,
     load_detector,
 )
+from wsod.config_schema import Balance, GradNormSolver, Solver
 from wsod.data.toy import TOY_CLASSES
 from wsod.engine.checkpoint import save_checkpoint
 from wsod.modeling.pcl import PCLMethod, WSDDNMethod
@@ -98,7 +100,8 @@ def test_a_method_by_import_path_gets_the_other_keys_as_arguments():
 def test_the_student_count_comes_from_the_method_config_and_gradnorm_counts_the_methods_losses():
     model = build_model(TINY_MODEL, 3, {"name": "mist", "num_students": 2})
     assert len(model.students) == 2 and len(model.loss_names) == 5
-    solver = OmegaConf.create({"gradnorm": {"enabled": True, "alpha": 1.5, "lr": 0.01, "min_weight": 0.01}})
+    # GradNorm over every loss (balance=all), the schema's other defaults.
+    solver = OmegaConf.structured(Solver(gradnorm=GradNormSolver(enabled=True, balance=Balance("all"))))
     balancer = build_balancer(solver, model, torch.device("cpu"))
     assert balancer.gradnorm.num_losses == 5
 
@@ -216,3 +219,96 @@ def test_partial_labels_inside_a_coco_json_are_refused_naming_it(tmp_path):
         " (method=mist or method=oicr) or give data.train.sets.0.annotations a file without point, scribble"
         " and use_as"
     )
+
+
+# -- dataset formats (wsod.data.formats): build.py's data functions look data.kind up there -------------
+
+
+@pytest.fixture
+def first_images_format(request):
+    """A dataset format of this test's own, ``data.kind=first_images``: the first ``count`` images of a
+    toy split. Its calls are recorded; it is unregistered afterwards."""
+    from wsod.data.dataset import WeakDetectionDataset
+    from wsod.data.formats import DATASET_FORMATS, DatasetFormat, register_dataset_format
+    from wsod.data.toy import ensure_toy_dataset
+
+    calls = {"open": [], "prepare": []}
+
+    def open_first_images(data, source, /, **options):
+        calls["open"].append((data, source, options))
+        toy = ensure_toy_dataset(data["root"], **TINY_TOY).dataset(source["image_set"])
+        return WeakDetectionDataset(toy.records[: source["count"]], toy.classes, toy.proposals, **options)
+
+    def prepare(data, progress):
+        calls["prepare"].append((data, progress))
+
+    request.addfinalizer(lambda: DATASET_FORMATS.pop("first_images", None))
+    register_dataset_format(
+        DatasetFormat("first_images", open_first_images, prepare=prepare, drop_unlabelled_in_training=True)
+    )
+    return calls
+
+
+def _first_images_config(tiny_toy_root, kind="first_images"):
+    """A data node made here (not composed by Hydra): a custom kind's settings are its own."""
+    train = {"scales": [64], "max_size": 200, "flip": False, "max_proposals": 7, "lighting_std": 0.0}
+    train["sets"] = [{"image_set": "trainval", "count": 3, "partial_labels": None}]
+    train["sets"].append({"image_set": "test", "count": 2})
+    test = {"set": {"image_set": "test", "count": 4}, "scales": [64], "max_size": 200, "flip": False}
+    test.update(max_proposals=None, batch_size=1, num_workers=0, amp=None, metric="voc07")
+    return OmegaConf.create({"kind": kind, "root": str(tiny_toy_root), "train": train, "test": test})
+
+
+def test_a_registered_dataset_format_is_what_the_data_kind_builds(tiny_toy_root, first_images_format):
+    from wsod.build import build_evaluator, build_export_datasets, build_test_dataset, prepare_data
+
+    data_cfg = _first_images_config(tiny_toy_root)
+    prepare_data(data_cfg, progress=True)
+    assert first_images_format["prepare"] == [(OmegaConf.to_container(data_cfg), True)]
+
+    train = build_train_dataset(data_cfg)  # two sets, concatenated
+    assert len(train.datasets) == 2 and len(train) == 5 and train.datasets[0].transform is not None
+    (data, source, options), _ = first_images_format["open"]
+    assert type(data) is dict and data == OmegaConf.to_container(data_cfg)  # plain settings
+    assert source == {"image_set": "trainval", "count": 3, "partial_labels": None}
+    assert set(options) == {"transform", "max_proposals", "drop_unlabelled", "partial_labels"}
+    assert options["max_proposals"] == 7 and options["drop_unlabelled"]  # the format drops them in training
+
+    first_images_format["open"].clear()
+    test = build_test_dataset(data_cfg)
+    assert len(test) == 4 and test.transform is None
+    assert first_images_format["open"][0][2] == {
+        "transform": None, "max_proposals": None, "drop_unlabelled": False, "partial_labels": None,
+    }  # fmt: skip
+    exported = build_export_datasets(data_cfg)  # to label: their unlabelled images left out
+    assert [len(d) for d in exported] == [3, 2]
+    assert [o["drop_unlabelled"] for _, _, o in first_images_format["open"][1:]] == [True, True]
+    evaluator = build_evaluator(data_cfg, torch.device("cpu"), progress=False)
+    assert evaluator.dataset.image_ids == test.image_ids and evaluator.metric == "voc07"
+
+
+def test_an_unknown_data_kind_is_one_line_naming_the_registered_kinds(tiny_toy_root):
+    from wsod.build import build_test_dataset, prepare_data
+    from wsod.data.formats import DATASET_FORMATS
+
+    data_cfg = _first_images_config(tiny_toy_root, kind="vocc")
+    expected = (
+        f"unknown data.kind='vocc': expected one of {sorted(DATASET_FORMATS)} (a format of your own:"
+        " wsod.data.formats.register_dataset_format)"
+    )
+    for build in (prepare_data, build_train_dataset, build_test_dataset):
+        with pytest.raises(ValueError) as error:
+            build(data_cfg)
+        assert str(error.value) == expected
+    assert {"toy", "voc", "coco", "folder"} <= set(DATASET_FORMATS)
+
+
+def test_a_mandatory_data_value_left_unset_is_omegaconfs_error_naming_it():
+    from omegaconf.errors import MissingMandatoryValue
+
+    from wsod.build import build_test_dataset
+
+    data_cfg = OmegaConf.create({"data": {"kind": "folder", "root": "???"}}).data
+    data_cfg.test = {"set": {"split": "test"}, "max_proposals": None}
+    with pytest.raises(MissingMandatoryValue, match="full_key: data.root"):
+        build_test_dataset(data_cfg)

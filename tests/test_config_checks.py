@@ -4,6 +4,7 @@ through tools/train.py in test_reliability.py)."""
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import json
 import subprocess
@@ -13,6 +14,8 @@ from pathlib import Path
 import pytest
 import torch
 from hydra import compose, initialize_config_dir
+from hydra.errors import ConfigCompositionException
+from omegaconf import DictConfig, OmegaConf
 
 from wsod.config_checks import (
     EVAL_RULES,
@@ -69,14 +72,30 @@ def _keys(name: str, overrides: tuple[str, ...]) -> frozenset[str]:
     return frozenset(flatten(_config(list(overrides), name)))
 
 
+def _untyped_keys(node, prefix: str = "") -> list[str]:
+    """The keys of ``node`` no dataclass schema declares (below the method node, whose keys are its
+    class's arguments)."""
+    found = []
+    typed = dataclasses.is_dataclass(OmegaConf.get_type(node))
+    for key in node:
+        name = f"{prefix}{key}"
+        if name == "method":
+            continue
+        child = node._get_node(key)
+        if not typed:
+            found.append(name)
+        if isinstance(child, DictConfig):
+            found += _untyped_keys(child, f"{name}.")
+    return found
+
+
 @pytest.mark.parametrize(("name", "overrides"), COMPOSED, ids=[f"{n} {' '.join(o)}" for n, o in COMPOSED])
-def test_every_key_of_a_composed_config_has_a_rule(name, overrides):
-    table, rules = RULES[name]
-    missing = sorted(_keys(name, tuple(overrides)) - set(rules))
-    assert not missing, (
-        f"configs/{name}.yaml with {overrides or 'its defaults'}: {', '.join(missing)} "
-        f"{'has' if len(missing) == 1 else 'have'} no rule in {table} (wsod/config_checks.py); add one"
-        " saying which values work (_integer, _number, _choice, _path, ... there)"
+def test_every_key_of_a_composed_config_is_declared_in_a_schema(name, overrides):
+    # Its type, default and choices come from wsod/config_schema.py; the method's keys from its class.
+    untyped = _untyped_keys(_config(overrides, name))
+    assert not untyped, (
+        f"configs/{name}.yaml with {overrides or 'its defaults'}: {', '.join(untyped)} not declared in a"
+        " schema (wsod/config_schema.py): declare it there, with its type and default"
     )
 
 
@@ -99,7 +118,7 @@ def test_the_checks_import_no_builder_or_engine():
     )
     loaded = set(json.loads(result.stdout))
     assert "wsod.config_checks" in loaded
-    assert not loaded & {"wsod.build", "wsod.run", "wsod.engine.evaluate", "wsod.engine.train"}
+    assert not loaded & {"wsod.build", "wsod.runs", "wsod.engine.evaluate", "wsod.engine.train"}
 
 
 @pytest.mark.parametrize(
@@ -123,15 +142,26 @@ def test_auto_and_the_budget_are_accepted(overrides):
     "overrides,message",
     [
         (["model.chunk_size=big"], "model.chunk_size='big': expected null, auto or an integer >= 1"),
-        (["model.chunk_size=auto", "model.memory_budget_gb=-1"], "model.memory_budget_gb=-1: expected null"),
-        (["model.chunk_size=auto", "model.memory_budget_gb=lots"], "model.memory_budget_gb='lots'"),
-        (["model.memory_budget_gb=4"], "model.memory_budget_gb=4: used only with model.chunk_size=auto"),
+        (
+            ["model.chunk_size=auto", "model.memory_budget_gb=-1"],
+            "model.memory_budget_gb=-1.0: expected null",
+        ),
+        (["model.memory_budget_gb=4"], "model.memory_budget_gb=4.0: used only with model.chunk_size=auto"),
         (["model.chunk_size=auto", "device=cpu"], "model.chunk_size=auto on device='cpu' (no CUDA) needs"),
         (
-            ["solver.gradnorm.balance=teacher"],
-            "solver.gradnorm.balance='teacher': expected one of all, students",
+            ["solver.gradnorm.enabled=true", "solver.gradnorm.min_weight=2"],
+            "solver.gradnorm: GradNorm: min_weight must lie in [0, 1] or be None, got 2.0",
         ),
-        (["solver.gradnorm.min_weight=2"], "solver.gradnorm.min_weight=2: expected null (no floor"),
+        (
+            ["solver.gradnorm.enabled=true", "solver.gradnorm.lr=0"],
+            "solver.gradnorm: LossBalancer: alpha must be >= 0 and lr > 0, got alpha=1.5, lr=0.0",
+        ),
+        (
+            ["method=wsddn", "solver.gradnorm.enabled=true"],
+            "solver.gradnorm: LossBalancer: balance='students' leaves no loss to balance among 1",
+        ),
+        (["method.tau=1.5"], "method=mist (MISTMethod) refuses its settings: MIST's tau and fg_iou must be"),
+        (["+method.my_key=1"], "method=mist (MISTMethod) refuses its settings: MISTMethod.__init__() got an"),
         (["model.dropblock_block_size=4"], "model.dropblock_block_size=4: expected an odd integer >= 1"),
     ],
 )
@@ -155,7 +185,7 @@ def test_a_resume_may_change_the_chunking_and_the_budget():
     after = _config(["model.chunk_size=auto", "model.memory_budget_gb=2"])
     assert resume_changes(before, after) == [
         "model.chunk_size: 64 -> 'auto'",
-        "model.memory_budget_gb: null -> 2",
+        "model.memory_budget_gb: null -> 2.0",
     ]
 
 
@@ -181,16 +211,16 @@ def test_the_roi_sampling_keys_are_checked():
             )
         )
     assert "rois_per_image=0: expected an integer >= 1" in str(error.value)
-    assert "positive_fraction=0: expected a number > 0 and <= 1" in str(error.value)
+    assert "positive_fraction=0.0: expected a number > 0 and <= 1" in str(error.value)
 
 
 @pytest.mark.parametrize(
     "name,overrides,message",
     [
-        ("train", ["model.score_threshold=2"], "model.score_threshold=2: expected a number >= 0 and <= 1"),
+        ("train", ["model.score_threshold=2"], "model.score_threshold=2.0: expected a number >= 0 and <= 1"),
         ("train", ["model.weights=''"], "model.weights='': expected null, a torchvision weights name"),
         ("train", ["data=voc07", "data.test.set.year=VOC07"], "data.test.set.year='VOC07': expected a VOC"),
-        ("train", ["data=voc07", "data.devkit=null"], "data.devkit=null: expected a path"),
+        ("train", ["data=voc07", "data.devkit=''"], "data.devkit='': expected a path"),
         ("train", ["output_dir=''"], "output_dir='': expected null or a folder"),
         ("eval", [], "checkpoint='???': expected a path, e.g. checkpoint=runs/my_run/model_final.pth"),
         ("eval", ["checkpoint=m.pth", "data.train.num_workers=-1"], "data.train.num_workers=-1: expected"),
@@ -203,6 +233,27 @@ def test_the_rules_added_with_the_coverage_test_name_the_key(name, overrides, me
     with pytest.raises(ConfigError, match="invalid configuration") as error:
         check_config(_config(overrides, name), rules)
     assert message in str(error.value)
+
+
+@pytest.mark.parametrize(
+    "overrides,message",
+    [
+        (["solver.lr=abc"], "solver.lr=abc"),
+        (["solver.max_iter=2.5"], "solver.max_iter=2.5"),
+        (["solver.optimizer=adam"], "Invalid value 'adam', expected one of [sgd, adamw]"),
+        (["solver.gradnorm.balance=teacher"], "expected one of [all, students]"),
+        (["model.memory_budget_gb=lots"], "model.memory_budget_gb=lots"),
+        (["model.pooler=roi"], "Invalid value 'roi', expected one of [align, pool]"),
+        (["data=voc07", "data.devkit=null"], "data.devkit=null"),
+        (["progress=maybe"], "progress=maybe"),
+        (["solver.no_such_key=1"], "solver.no_such_key"),
+    ],
+)
+def test_a_value_of_the_wrong_type_or_choice_is_refused_when_composing_naming_the_key(overrides, message):
+    # The schema's types and Enums: Hydra refuses the override before check_config is reached.
+    with pytest.raises(ConfigCompositionException) as error:
+        _config(overrides)
+    assert message in f"{error.value} {error.value.__cause__}"
 
 
 @pytest.mark.parametrize("year", ["data.test.set.year=2012", "data.test.set.year='2012'"])
@@ -237,7 +288,7 @@ def test_partial_labels_for_a_method_that_does_not_read_them_are_refused_before_
     """Through train_from_config, what tools/train.py calls: PCL and WSDDN refused a labelled image only
     when a batch drew one, so a file labelling 0.1% of the images trained to the end with its labels
     unused. The refusal comes before a run folder or the toy set is made, whatever the file holds."""
-    from wsod.run import train_from_config
+    from wsod.runs.train import train_from_config
 
     side = tmp_path / "one_image_in_a_thousand.json"
     side.write_text(json.dumps({"images": {"000000": [{"class": "red_circle", "point": [5, 5]}]}}))
@@ -276,7 +327,11 @@ def test_a_method_given_by_import_path_is_checked_by_its_declaration():
         check_config(_config([f"method.name={name}", "data.train.sets.0.partial_labels=points.json"]))
     check_config(
         _config(
-            [f"method.name={__name__}:_PCLReadingPartialLabels", "data.train.sets.0.partial_labels=p.json"]
+            [
+                "method=pcl",
+                f"method.name={__name__}:_PCLReadingPartialLabels",
+                "data.train.sets.0.partial_labels=p.json",
+            ]
         )
     )
     # One that cannot be imported is left to the build, which names the import problem.

@@ -3,6 +3,7 @@ boxes drawn, and clear errors for inputs that hold no readable image."""
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import shutil
@@ -23,7 +24,7 @@ from wsod.config_checks import ConfigError
 from wsod.data.images import find_images
 from wsod.data.toy import TOY_CLASSES, ensure_toy_dataset
 from wsod.engine.checkpoint import save_checkpoint
-from wsod.run import predict_from_config
+from wsod.runs.predict import predict_from_config
 
 ROOT = Path(__file__).resolve().parents[1]
 ENV = {**os.environ, "PYTHONUNBUFFERED": "1"}
@@ -145,17 +146,23 @@ def test_an_unreadable_image_is_named_before_any_work(tmp_path, jpeg_file):
 
 
 def test_predict_settings_are_checked_before_anything_runs(tmp_path):
+    from hydra.errors import ConfigCompositionException
+
     from wsod.config_checks import ConfigError
 
-    cfg = _predict_config(
-        ["input=x", "score_threshold=2", "selective_search=slow", f"output={tmp_path / 'o'}"]
-    )
+    cfg = _predict_config(["input=x", "score_threshold=2", f"output={tmp_path / 'o'}"])
     with pytest.raises(ConfigError) as error:
         predict_from_config(cfg)
-    for message in ("checkpoint='???': expected a path", "score_threshold=2: expected a number >= 0 and <= 1",
-                    "selective_search='slow': expected one of fast, quality, single"):  # fmt: skip
+    for message in (
+        "checkpoint='???': expected a path",
+        "score_threshold=2.0: expected a number >= 0 and <= 1",
+    ):
         assert message in str(error.value)
     assert not (tmp_path / "o").exists()
+    # A choice outside its Enum (the schema's) is refused as the config is composed, naming the choices.
+    with pytest.raises(ConfigCompositionException) as refused:
+        _predict_config(["input=x", "selective_search=slow"])
+    assert "Invalid value 'slow', expected one of [fast, quality, single]" in str(refused.value.__cause__)
 
 
 def test_a_non_empty_output_folder_is_refused_unless_overwrite_and_never_holds_old_pngs(tmp_path, jpeg_file):
@@ -183,11 +190,8 @@ def test_a_non_empty_output_folder_is_refused_unless_overwrite_and_never_holds_o
     assert sorted(p.name for p in (tmp_path / "in").iterdir()) == ["a.jpg", "b.jpg"]
 
 
-def test_predict_runs_beside_train_and_eval_and_its_old_import_path_still_works():
-    import wsod.predict_images as old
-    from wsod.data import images
-    from wsod.run import predict_from_config as beside_train
-
-    assert old.predict_from_config is beside_train is predict_from_config
-    assert old.find_images is images.find_images and old.ImageFiles is images.ImageFiles
-    assert old.IMAGE_EXTENSIONS == images.IMAGE_EXTENSIONS
+def test_predict_is_an_entry_point_of_wsod_runs_and_its_old_import_paths_are_gone():
+    # wsod.predict_images re-exported wsod.run's predict_from_config and wsod.data.images' helpers.
+    for old in ("wsod.predict_images", "wsod.run"):
+        assert importlib.util.find_spec(old) is None, f"{old} is back: import wsod.runs.predict instead"
+    assert predict_from_config.__module__ == "wsod.runs.predict"

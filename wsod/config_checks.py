@@ -1,12 +1,13 @@
 """Check a composed config before anything runs, and decide what a resumed run may change.
 
-Hydra parses command-line values by their look: ``solver.lr=abc`` is a string, ``solver.max_iter=2.5`` a
-float, ``solver.milestones=5`` an int. Without a check, such values fail deep inside the code (or worse,
-run: ``max_iter=2.5`` would train 3 steps). ``check_config`` names every wrong key at once, with the
-value and what is expected, before a directory is made or a file is read. Keys a config does not have
-are not checked (a VGG16 model has no ``width``); keys no rule knows are left to Hydra's struct mode.
-Every key of every config composed from configs/ has a rule, and every rule a key: a test fails naming
-the key otherwise (tests/test_config_checks.py), so a new key comes with its rule.
+The schemas (wsod/config_schema.py) say each key's type and choices: Hydra converts a command-line value
+to the declared type or refuses it, naming the key (``solver.lr=abc``, ``solver.max_iter=2.5``,
+``solver.optimizer=adam``). What a schema cannot say is here: bounds (``solver.lr`` > 0, an odd
+DropBlock square), rules between keys (milestones within ``max_iter``, ``chunk_size=auto`` and its
+budget, students and partial labels for the method), and the resume policy. ``check_config`` names every
+such problem at once, before a directory is made or a file is read. The method node, whose keys are its
+class's arguments, is checked by building the method; GradNorm's node by building its balancer when it
+is on. Keys a config does not have are not checked (a VGG16 model has no ``width``).
 
 ``resume_changes`` compares the settings a checkpoint was trained with to the new ones: each change is
 either applied for real by the training code (and listed) or refused with the reason.
@@ -20,16 +21,17 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import DictConfig
 
 # The choice lists come from the lowest modules that own them, never from wsod.build: the builder imports
 # every part of wsod, and the checks must run before any of it is needed (tests/test_imports.py).
+from wsod.config_compat import upgrade_saved_config
+from wsod.config_schema import plain
 from wsod.data.folder import SPLITS as FOLDER_SPLITS
-from wsod.data.proposals.selective_search import MODES as SELECTIVE_SEARCH_MODES
-from wsod.evaluation import METRICS
+from wsod.data.formats import DATASET_FORMATS
+from wsod.engine.balancing import LossBalancer
 from wsod.modeling import BACKBONES, METHODS
 from wsod.modeling.detector import partial_label_readers, resolve_method_class
-from wsod.modeling.method import MOVED_TO_METHOD
 
 __all__ = [
     "ConfigError",
@@ -171,10 +173,10 @@ _COMMON = {
         lambda v: v is None or v == "auto" or (_is_int(v) and v >= 0),
         "auto, null or an integer >= 0 (0, null: torch's default)",
     ),
-    "progress": _FLAG,
-    "random_baseline": _FLAG,
-    "trust_checkpoint": _FLAG,
-    "data.kind": _choice("toy", "voc", "coco", "folder"),
+    "data.kind": _Rule(  # read at each check: a format registered after import is accepted
+        lambda v: v in DATASET_FORMATS,
+        "a registered dataset format (wsod.data.formats.DATASET_FORMATS: toy, voc, coco, folder or yours)",
+    ),
     "data.root": _path("data.root=data/my_images"),
     "data.classes": _CLASSES,
     "data.split_seed": _integer(0),
@@ -190,17 +192,13 @@ _COMMON = {
     "data.num_test": _integer(1),
     "data.test.scales": _SCALES,
     "data.test.max_size": _integer(1, optional=True),
-    "data.test.flip": _FLAG,
     "data.test.max_proposals": _integer(1, optional=True),
     "data.test.batch_size": _integer(1),
     "data.test.num_workers": _integer(0),
-    "data.test.metric": _choice(*METRICS),
-    "data.test.amp": _choice(None, "bf16", "fp16"),
     # The data group is shared: an evaluation composes data.train too, unused there but checked alike.
     "data.train.sets": _FOLDER_SETS,
     "data.train.scales": _SCALES,
     "data.train.max_size": _integer(1, optional=True),
-    "data.train.flip": _FLAG,
     "data.train.max_proposals": _integer(1, optional=True),
     "data.train.num_workers": _integer(0),
     "data.train.lighting_std": _number(0),
@@ -214,7 +212,6 @@ _COMMON = {
 TRAIN_RULES: dict[str, _Rule] = {
     **_COMMON,
     "seed": _integer(0),
-    "resume": _FLAG,
     "log_period": _integer(1),
     "checkpoint_period": _integer(0),
     "keep_checkpoints": _integer(1),
@@ -228,10 +225,7 @@ TRAIN_RULES: dict[str, _Rule] = {
         "null, a torchvision weights name (e.g. IMAGENET1K_V1) or a local .pth path",
     ),
     "model.width": _number(0, above=True),
-    "model.norm": _choice("frozen_bn", "bn", "gn"),
-    "model.neck_norm": _choice(None, "frozen_bn", "bn", "gn"),
     "model.freeze_at": _integer(0, 5),
-    "model.pooler": _choice("align", "pool"),
     "model.roi_size": _integer(1),
     "model.chunk_size": _Rule(
         lambda v: v is None or v == "auto" or (_is_int(v) and v >= 1), "null, auto or an integer >= 1"
@@ -240,8 +234,6 @@ TRAIN_RULES: dict[str, _Rule] = {
         lambda v: v is None or (_is_number(v) and v > 0), "null or a number > 0 (GB, with chunk_size=auto)"
     ),
     "model.test_chunk_size": _integer(1, optional=True),
-    "model.fuse_pooling": _FLAG,
-    "model.dropblock": _FLAG,
     "model.dropblock_hidden": _integer(1, optional=True),
     "model.dropblock_block_size": _ODD_SIZE,
     "model.nms_iou": _number(0, 1),
@@ -252,18 +244,8 @@ TRAIN_RULES: dict[str, _Rule] = {
         f"one of {', '.join(METHODS)}, or an import path module:ClassName of your own method",
     ),
     "method.num_students": _integer(0),  # 0 only for a method without students (_student_problems)
-    "method.first_student_loss_weight": _number(0),
-    "method.p": _number(0, 1),
-    "method.tau": _number(0, 1),
-    "method.suppress": _choice("candidates", "kept"),
-    "method.fg_iou": _number(0, 1),
-    "method.kmeans_groups": _integer(2),
-    "method.graph_iou": _number(0, 1),
-    "method.max_remaining": _integer(0),
-    "method.max_centres": _integer(1),
-    "method.bg_iou": _number(0, 1),
-    "method.score_clip": _Rule(lambda v: _is_number(v) and 0 <= v < 0.5, "a number in [0, 0.5)"),
-    "solver.optimizer": _choice("sgd", "adamw"),
+    # The method's other keys are its class's keyword arguments: checked by building it (_method_problems),
+    # as GradNorm's are by building its balancer (_gradnorm_problems).
     "solver.lr": _number(0, above=True),
     "solver.momentum": _number(0, 1),
     "solver.weight_decay": _number(0),
@@ -276,8 +258,6 @@ TRAIN_RULES: dict[str, _Rule] = {
     "solver.gamma": _number(0, above=True),
     "solver.warmup_iters": _integer(0),
     "solver.warmup_factor": _number(0, 1, above=True),
-    "solver.amp": _choice(None, "bf16", "fp16"),
-    "solver.momentum_rescale": _FLAG,
     "solver.dropblock.lr": _number(0, above=True),
     "solver.dropblock.momentum": _number(0, 1),
     "solver.dropblock.weight_decay": _number(0),
@@ -287,19 +267,6 @@ TRAIN_RULES: dict[str, _Rule] = {
     "solver.dropblock.warmup_iters": _integer(0),
     "solver.dropblock.warmup_factor": _number(0, 1, above=True),
     "solver.dropblock.weight": _number(0),
-    "solver.dropblock.single_pass": _FLAG,
-    "solver.gradnorm.enabled": _FLAG,
-    "solver.gradnorm.alpha": _number(0),
-    "solver.gradnorm.lr": _number(0, above=True),
-    "solver.gradnorm.min_weight": _Rule(
-        lambda v: v is None or (_is_number(v) and 0 <= v <= 1),
-        "null (no floor: as published) or a number in [0, 1]",
-    ),
-    "solver.gradnorm.start_iter": _integer(0),
-    "solver.gradnorm.window": _integer(0),
-    "solver.gradnorm.balance": _choice("all", "students"),
-    "solver.gradnorm.normalize_rates": _FLAG,
-    "solver.gradnorm.follow_milestones": _FLAG,
 }
 
 EVAL_RULES: dict[str, _Rule] = {
@@ -310,16 +277,12 @@ EVAL_RULES: dict[str, _Rule] = {
 
 PREDICT_RULES: dict[str, _Rule] = {
     "device": _COMMON["device"],
-    "trust_checkpoint": _FLAG,
     "threads": _COMMON["threads"],
-    "progress": _FLAG,
     "checkpoint": _path("checkpoint=runs/my_run/model_final.pth"),
     "input": _path("input=data/my_images/images"),
     "output": _optional_path("null or a folder, e.g. runs/my_predictions"),
-    "overwrite": _FLAG,
     "score_threshold": _number(0, 1),
     "proposals": _optional_path("null or a proposal file or store"),
-    "selective_search": _choice(*SELECTIVE_SEARCH_MODES),
     "max_proposals": _integer(1, optional=True),
     "scales": _Rule(lambda v: v is None or _SCALES.accepts(v), "null or " + _SCALES.expected),
     "num_workers": _integer(0),
@@ -327,25 +290,22 @@ PREDICT_RULES: dict[str, _Rule] = {
 
 
 _RUN_KEYS = (
-    "seed", "resume", "log_period", "checkpoint_period", "keep_checkpoints", "eval_period", "max_nonfinite",
+    "seed", "log_period", "checkpoint_period", "keep_checkpoints", "eval_period", "max_nonfinite",
 )  # fmt: skip
-_STAGE2_SOLVER_KEYS = (
-    "optimizer", "lr", "momentum", "weight_decay", "bias_lr_factor", "bias_weight_decay", "ims_per_batch",
-    "accumulation", "max_iter", "milestones", "gamma", "warmup_iters", "warmup_factor", "amp",
-    "momentum_rescale",
-)  # fmt: skip
-
 # tools/train_stage2.py (configs/stage2.yaml, configs/detector/): the run and solver keys as training's.
 STAGE2_RULES: dict[str, _Rule] = {
     **_COMMON,
     **{key: TRAIN_RULES[key] for key in _RUN_KEYS},
-    **{f"solver.{key}": TRAIN_RULES[f"solver.{key}"] for key in _STAGE2_SOLVER_KEYS},
+    **{  # the solver's own keys; the second stage has no DropBlock step and no GradNorm
+        key: rule
+        for key, rule in TRAIN_RULES.items()
+        if key.startswith("solver.") and key.split(".")[1] not in ("dropblock", "gradnorm")
+    },
     "pseudo_labels": _path("pseudo_labels=runs/my_run/pseudo_labels/pseudo_labels.json"),
     "detector.name": _choice("faster_rcnn"),
     "detector.backbone": _choice("resnet18", "resnet34", "resnet50", "resnet101"),
     "detector.width": _number(0, above=True),
     "detector.weights": TRAIN_RULES["model.weights"],
-    "detector.norm": _choice("frozen_bn", "bn"),
     "detector.freeze_at": _integer(0, 5),
     "detector.fpn_channels": _integer(1),
     "detector.anchor_sizes": _Rule(
@@ -372,7 +332,6 @@ STAGE2_RULES: dict[str, _Rule] = {
 EXPORT_RULES: dict[str, _Rule] = {
     **{key: rule for key, rule in _COMMON.items() if key != "random_baseline"},
     "checkpoint": _path("checkpoint=runs/my_run/model_final.pth"),
-    "overwrite": _FLAG,
     "rule.min_score": _number(0, 1),
     "rule.containment": _Rule(
         lambda v: v is None or (_is_number(v) and 0 < v <= 1), "null or a number > 0 and <= 1"
@@ -385,7 +344,7 @@ EXPORT_RULES: dict[str, _Rule] = {
 def flatten(node: Mapping[str, Any] | DictConfig, prefix: str = "") -> dict[str, Any]:
     """Nested config -> ``{"solver.lr": 0.01, ...}``; lists stay values."""
     if isinstance(node, DictConfig):
-        node = OmegaConf.to_container(node, resolve=True)
+        node = plain(node)
     flat: dict[str, Any] = {}
     for key, value in node.items():
         name = f"{prefix}{key}"
@@ -425,8 +384,45 @@ def check_config(cfg: DictConfig | Mapping[str, Any], rules: Mapping[str, _Rule]
         problems += _auto_chunk_problems(flat)
         problems += _student_problems(flat)
         problems += _partial_label_problems(flat)
+        method, method_problems = _method_problems(cfg)
+        problems += method_problems + _gradnorm_problems(cfg, method)
     if problems:
         raise ConfigError("invalid configuration:\n  " + "\n  ".join(problems))
+
+
+def _method_problems(cfg: DictConfig | Mapping[str, Any]) -> tuple[Any, list[str]]:
+    """``(the method, [])`` when the method node builds (``name`` picks the class, the other keys but
+    ``num_students`` are its keyword arguments, whose constructor checks their values), else
+    ``(None, [the reason])``. A method that names its own settings checks them itself."""
+    options = dict(plain(cfg.get("method")) or {})
+    if not options:
+        return None, []
+    options.pop("num_students", None)  # the detector's
+    name = options.pop("name", None)
+    try:
+        method_class = resolve_method_class(name)
+    except (ValueError, TypeError):  # the method.name rule says what is expected
+        return None, []
+    try:
+        return method_class(**options), []
+    except (TypeError, ValueError) as error:
+        return None, [f"method={name} ({method_class.__name__}) refuses its settings: {error}"]
+
+
+def _gradnorm_problems(cfg: DictConfig | Mapping[str, Any], method: Any) -> list[str]:
+    """GradNorm's settings (``solver.gradnorm``), checked by building its balancer for the detector's
+    losses (the MIL loss, then the method's) when it is on."""
+    settings = dict((plain(cfg.get("solver")) or {}).get("gradnorm") or {})
+    students = (plain(cfg.get("method")) or {}).get("num_students")
+    if not settings.pop("enabled", False) or method is None or not _is_int(students):
+        return []
+    settings.pop("follow_milestones", None)  # a schedule, not a constructor argument
+    try:
+        num_losses = 1 + len(method.loss_names(students))
+        LossBalancer(num_losses, **settings)
+    except (TypeError, ValueError) as error:
+        return [f"solver.gradnorm: {error}"]
+    return []
 
 
 def _student_problems(flat: Mapping[str, Any]) -> list[str]:
@@ -525,30 +521,6 @@ _FREE_ON_RESUME = (
 )
 
 
-# Keys that moved since older checkpoints were written: a saved config is compared under the new names,
-# so that resuming such a checkpoint sees no change.
-_MOVED_KEYS = {f"model.{key}": f"method.{key}" for key in MOVED_TO_METHOD}
-
-
-def _fill_added_keys(old_flat: dict[str, Any], new_flat: Mapping[str, Any]) -> None:
-    """A config saved before partial labels (no ``data.train.roi_sampling``, train sets without
-    ``partial_labels``) is read as the same run with them off: sampling only acts on images with points
-    or scribbles, which such a run had none of. One saved before ``model.dropblock_block_size`` had 3."""
-    if "model.dropblock" in old_flat and "model.dropblock_block_size" not in old_flat:
-        old_flat["model.dropblock_block_size"] = 3  # the one size before it was a setting
-    if "data.train.sets" not in old_flat or "data.train.roi_sampling.rois_per_image" in old_flat:
-        return
-    for key in ("data.train.roi_sampling.rois_per_image", "data.train.roi_sampling.positive_fraction"):
-        if key in new_flat:
-            old_flat[key] = new_flat[key]
-    sets = old_flat["data.train.sets"]
-    if isinstance(sets, list):
-        old_flat["data.train.sets"] = [
-            {**s, "partial_labels": None} if isinstance(s, dict) and "partial_labels" not in s else s
-            for s in sets
-        ]
-
-
 def _unused_dropblock_setting(key: str, old_flat: Mapping[str, Any], new_flat: Mapping[str, Any]) -> bool:
     """A DropBlock setting of a run without DropBlock, before and after: no weight depends on it."""
     unused = not old_flat.get("model.dropblock", False) and not new_flat.get("model.dropblock", False)
@@ -561,11 +533,11 @@ def resume_changes(saved: Mapping[str, Any] | DictConfig, new: Mapping[str, Any]
     Raises ``ConfigError`` naming every change a resumed run cannot honour, with the reason. Run
     bookkeeping (``resume``, ``output_dir``, ``trust_checkpoint``) is ignored.
     """
-    old_flat, new_flat = flatten(saved), flatten(new)
-    for old, key in _MOVED_KEYS.items():
-        if old in old_flat and key not in old_flat:
-            old_flat[key] = old_flat.pop(old)
-    _fill_added_keys(old_flat, new_flat)
+    new_plain = plain(new) if isinstance(new, DictConfig) else dict(new)
+    old_flat = flatten(
+        upgrade_saved_config(plain(saved) if isinstance(saved, DictConfig) else saved, new_plain)
+    )
+    new_flat = flatten(new_plain)
     changes, refused = [], []
     for key in sorted(set(old_flat) | set(new_flat)):
         if key in ("resume", "output_dir", "trust_checkpoint"):

@@ -14,8 +14,8 @@ from omegaconf import OmegaConf
 
 from wsod.build import build_test_dataset, build_train_dataset, prepare_data
 from wsod.data.folder import FolderDataset, proposals_path, read_labels_csv
-from wsod.data.proposal_store import write_proposal_store
 from wsod.data.proposals import MissingProposalsError, ProposalSet
+from wsod.data.proposals.store import write_proposal_store
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -278,7 +278,7 @@ def test_the_split_settings_are_checked_and_reach_the_datasets(tmp_path, jpeg):
     with pytest.raises(ConfigError) as error:
         check_config(bad)
     assert "data.split_seed=-1: expected an integer >= 0" in str(error.value)
-    assert "data.test_fraction=1: expected a number > 0 and < 1, e.g. 0.2" in str(error.value)
+    assert "data.test_fraction=1.0: expected a number > 0 and < 1, e.g. 0.2" in str(error.value)
     with pytest.raises(ConfigError, match=r"data\.split_seed: 0 -> 3 \(the seeded split of a folder"):
         resume_changes(cfg, {**OmegaConf.to_container(cfg), "data": {**cfg.data, "split_seed": 3}})
     expected = _splits(root, split_seed=3, test_fraction=0.5)
@@ -291,7 +291,7 @@ def test_the_split_settings_are_checked_and_reach_the_datasets(tmp_path, jpeg):
 def test_a_training_run_on_a_folder_without_a_split_column_writes_its_split_and_eval_keeps_it(tmp_path, jpeg):
     from hydra import compose, initialize_config_dir
 
-    from wsod.run import train_from_config
+    from wsod.runs.train import train_from_config
 
     root = _folder(tmp_path / "mine", jpeg, NO_SPLIT_CSV)
     run_dir = tmp_path / "run"
@@ -315,7 +315,7 @@ def test_a_training_run_on_a_folder_without_a_split_column_writes_its_split_and_
 
     # tools/eval.py on another seeded split would test on training images: refused, naming the fix.
     from wsod.config_checks import ConfigError
-    from wsod.run import evaluate_from_config
+    from wsod.runs.evaluate import evaluate_from_config
 
     common = [
         f"checkpoint={run_dir / 'model_final.pth'}", "data=folder", f"data.root={root}",
@@ -333,7 +333,7 @@ def test_a_training_run_on_a_folder_without_a_split_column_writes_its_split_and_
 
 def test_an_image_replaced_by_one_of_another_size_is_refused_with_the_command(tmp_path, jpeg):
     from wsod.data.proposals import ProposalSizeError
-    from wsod.data.selective_search import generate_proposals
+    from wsod.data.proposals.selective_search import generate_proposals
 
     root = _folder(tmp_path / "mine", jpeg, proposals=False)
     images = [(name, root / "images" / name) for name in SIZES]

@@ -16,6 +16,7 @@ from torch import Tensor
 from torchvision.ops import box_iou
 
 from wsod.build import build_balancer, build_model, load_detector
+from wsod.config_schema import Balance, GradNormSolver, Solver
 from wsod.modeling import PseudoLabels, RefinementMethod, build_detector
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -137,7 +138,8 @@ def test_the_detector_trains_a_plugin_method_with_its_loss_names_and_gradnorm_co
     sum(losses.values()).backward()
     assert all(s.cls_score.weight.grad.abs().sum() > 0 for s in model.students)
     assert all(s.bbox_pred.weight.grad is None for s in model.students)  # this method regresses nothing
-    solver = OmegaConf.create({"gradnorm": {"enabled": True, "alpha": 1.5, "lr": 0.01, "min_weight": 0.01}})
+    # GradNorm over every loss (balance=all), the schema's other defaults.
+    solver = OmegaConf.structured(Solver(gradnorm=GradNormSolver(enabled=True, balance=Balance("all"))))
     assert build_balancer(solver, model, torch.device("cpu")).gradnorm.num_losses == 4
 
 
@@ -158,7 +160,7 @@ def test_a_method_named_by_import_path_trains_from_the_config_and_its_losses_rea
     ]  # fmt: skip
     with initialize_config_dir(config_dir=str(ROOT / "configs"), version_base="1.3"):
         cfg = compose(config_name="train", overrides=overrides)
-    from wsod.run import train_from_config
+    from wsod.runs.train import train_from_config
 
     threads = torch.get_num_threads()
     try:

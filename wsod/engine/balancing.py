@@ -93,6 +93,8 @@ class LossBalancer(Companion):
             )
         if start_iter < 0 or window < 0:
             raise ValueError(f"LossBalancer: start_iter and window must be >= 0, got {start_iter}, {window}")
+        if not alpha >= 0 or not lr > 0:
+            raise ValueError(f"LossBalancer: alpha must be >= 0 and lr > 0, got alpha={alpha}, lr={lr}")
         self.fixed = fixed
         self.start_iter, self.window = int(start_iter), int(window)
         self.needs_loss_scales = bool(normalize_rates)

@@ -35,11 +35,7 @@ from typing import ClassVar
 import torch
 from torch import Tensor
 
-__all__ = ["MOVED_TO_METHOD", "PseudoLabels", "RefinementMethod", "check_source_scores"]
-
-# Method settings that checkpoints written before this seam hold among the model's (``model.<key>``):
-# read back by wsod.build.load_detector and compared under their new names by resume_changes.
-MOVED_TO_METHOD = ("num_students", "first_student_loss_weight")
+__all__ = ["PseudoLabels", "RefinementMethod", "check_source_scores"]
 
 
 @dataclass(frozen=True)

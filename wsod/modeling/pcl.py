@@ -339,6 +339,8 @@ class PCLMethod(RefinementMethod):
             )
         if not 0.0 <= bg_iou <= fg_iou <= 1.0:
             raise ValueError(f"PCL needs 0 <= bg_iou <= fg_iou <= 1, got bg_iou={bg_iou}, fg_iou={fg_iou}")
+        if not 0.0 <= graph_iou <= 1.0:
+            raise ValueError(f"PCL's graph_iou must be in [0, 1], got {graph_iou}")
         if not 0.0 <= score_clip < 0.5:
             raise ValueError(f"PCL's score_clip must be in [0, 0.5), got {score_clip}")
         if not first_student_loss_weight >= 0:

@@ -258,6 +258,10 @@ class MISTLabeler:
             raise ValueError(f"unknown suppress '{self.suppress}': expected 'candidates' or 'kept'")
         if not 0.0 <= self.p <= 1.0:
             raise ValueError(f"MIST's top fraction p must be in [0, 1], got {self.p}")
+        if not (0.0 <= self.tau <= 1.0 and 0.0 <= self.fg_iou <= 1.0):
+            raise ValueError(
+                f"MIST's tau and fg_iou must be in [0, 1], got tau={self.tau}, fg_iou={self.fg_iou}"
+            )
 
     def __call__(self, proposals: Tensor, scores: Tensor, image_labels: Tensor) -> LabelTriple:
         return self.assign(proposals, self.pseudo_boxes(proposals, scores, image_labels))
@@ -279,6 +283,10 @@ class OICRLabeler:
     is foreground at IoU > ``fg_iou`` (``MISTLabeler``'s is inclusive, IoU >= ``fg_iou``)."""
 
     fg_iou: float = 0.5
+
+    def __post_init__(self) -> None:
+        if not 0.0 <= self.fg_iou <= 1.0:
+            raise ValueError(f"OICR's fg_iou must be in [0, 1], got {self.fg_iou}")
 
     def __call__(self, proposals: Tensor, scores: Tensor, image_labels: Tensor) -> LabelTriple:
         return self.assign(proposals, self.pseudo_boxes(proposals, scores, image_labels))
