@@ -1,7 +1,8 @@
 """wsod's import graph has no cycle: every module of ``wsod/`` is parsed (not imported) and each cycle is
 named with the file and line of every import on it. The same holds one level up, between wsod's
 sub-packages and top-level modules (``wsod.data``, ``wsod.engine``, ``wsod.build``, ...), and a few low
-modules are checked not to reach higher ones (``config_checks`` never reaches the builder).
+modules are checked not to reach higher ones (``config_checks`` never reaches the builder). And no module
+of ``wsod/`` only re-exports another's names (``own_definitions``): a moved module leaves no shim behind.
 
 What counts as an edge, and why:
 
@@ -245,7 +246,7 @@ def test_the_graph_sees_every_module_and_its_imports():
     imported = {e.imported for e in graph["wsod.data.proposals.io"]}
     assert {"wsod.data.proposals.sets", "wsod.data.proposals.store"} <= imported
     # A lazily imported module (inside a function) is an edge too.
-    assert "wsod.run" in {e.imported for e in graph["wsod.benchmarks.gpu_check"]}
+    assert "wsod.runs.train" in {e.imported for e in graph["wsod.benchmarks.gpu_check"]}
 
 
 def _write(root: Path, files: dict[str, str]) -> None:
@@ -315,3 +316,88 @@ def test_a_low_module_does_not_reach_a_higher_one(module, forbidden):
             chain.insert(0, str(via[node]))
             node = via[node].importer
         pytest.fail(f"{module} imports {forbidden}: {module} -> " + " -> ".join(chain))
+
+
+# -- no module only re-exports --------------------------------------------------------------------------
+
+
+def own_definitions(tree: ast.Module) -> list[str]:
+    """What a module defines itself at its top level, one line each: its functions and classes, its
+    assignments of anything but another name (``A = B`` and ``A = module.B`` are aliases, a re-export by
+    another spelling), and any other statement (a call, a loop: code of its own). Its docstring, imports,
+    ``__all__`` and ``if TYPE_CHECKING:`` blocks do not count; the branches of other ``if`` and ``try``
+    statements count like the top level."""
+    found: list[str] = []
+    pending: list[ast.stmt] = list(tree.body)
+    while pending:
+        node = pending.pop(0)
+        if isinstance(node, ast.Import | ast.ImportFrom):
+            continue
+        if isinstance(node, ast.Expr) and isinstance(node.value, ast.Constant):
+            continue  # a docstring (or a bare constant: nothing defined)
+        if isinstance(node, ast.If):  # its branches, in source order, before what follows it
+            pending[:0] = node.orelse if _is_type_checking(node.test) else [*node.body, *node.orelse]
+            continue
+        if isinstance(node, ast.Try):
+            handlers = [statement for handler in node.handlers for statement in handler.body]
+            pending[:0] = [*node.body, *handlers, *node.orelse, *node.finalbody]
+            continue
+        if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef | ast.ClassDef):
+            found.append(f"{node.name} (line {node.lineno})")
+            continue
+        if isinstance(node, ast.Assign | ast.AnnAssign | ast.AugAssign):
+            targets = node.targets if isinstance(node, ast.Assign) else [node.target]
+            names = [t.id for t in targets if isinstance(t, ast.Name)]
+            if names == ["__all__"] or node.value is None or isinstance(node.value, ast.Name | ast.Attribute):
+                continue  # the export list, a bare annotation, an alias
+            found.append(f"{', '.join(names) or ast.unparse(targets[0])} (line {node.lineno})")
+            continue
+        found.append(f"{type(node).__name__.lower()} statement (line {node.lineno})")
+    return found
+
+
+def _package_imports_from_outside(tree: ast.Module, package: str) -> list[str]:
+    """The module-level ``from ... import`` statements of a package's ``__init__`` that name a module
+    outside the package (absolute imports only: wsod has no relative one)."""
+    return [
+        f"from {node.module} import ... (line {node.lineno})"
+        for node in tree.body
+        if isinstance(node, ast.ImportFrom)
+        and node.level == 0
+        and (node.module or "").split(".")[0] == PACKAGE
+        and not (node.module == package or (node.module or "").startswith(package + "."))
+    ]
+
+
+def test_no_module_of_wsod_only_re_exports_another_modules_names():
+    # A package's __init__ is its face: it may re-export its own modules' names, but none from outside it
+    # (that is a shim for a module moved elsewhere). Any other module defines something of its own.
+    shims = []
+    for name, path in module_names(ROOT, PACKAGE).items():
+        tree = ast.parse(path.read_text(), filename=str(path))
+        if path.name == "__init__.py":
+            outside = _package_imports_from_outside(tree, name)
+            if outside:
+                shims.append(f"{path.relative_to(ROOT)} (a package) re-exports {'; '.join(outside)}")
+        elif not own_definitions(tree):
+            shims.append(f"{path.relative_to(ROOT)} defines nothing of its own")
+    assert not shims, (
+        "modules that only re-export (import the names from where they are defined, and delete these):\n  "
+        + "\n  ".join(shims)
+    )
+
+
+def test_a_module_that_only_imports_aliases_and_lists_them_is_a_shim():
+    shim = ast.parse(
+        '"""Moved."""\nfrom typing import TYPE_CHECKING\nfrom pkg.new import A, B\nimport pkg.new\n'
+        "C = pkg.new.C\nD: type = B\n__all__ = ['A', 'B', 'C']\n__all__ += ['D']\n"
+        "if TYPE_CHECKING:\n    def hint() -> None: ...\n"
+        "try:\n    from pkg.fast import E\nexcept ImportError:\n    E = A\n"
+    )
+    assert own_definitions(shim) == []
+    own = ast.parse("from pkg.new import A\nlogger = make_logger()\nif A:\n    class B: ...\nregister(A)\n")
+    assert own_definitions(own) == ["logger (line 2)", "B (line 4)", "expr statement (line 5)"]
+    init = ast.parse("from pkg.sub.a import A\nfrom pkg.other import B\nfrom typing import Any\n")
+    assert _package_imports_from_outside(init, "pkg.sub") == []  # PACKAGE is wsod: pkg is not ours
+    init = ast.parse("from wsod.data.a import A\nfrom wsod.engine.b import B\nimport os\n")
+    assert _package_imports_from_outside(init, "wsod.data") == ["from wsod.engine.b import ... (line 2)"]

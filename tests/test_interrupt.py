@@ -19,7 +19,7 @@ from tiny_run import tiny_overrides
 import wsod.engine.train as train_module
 from wsod.cli import EXIT_INTERRUPTED, close_run_log, run_tool
 from wsod.engine.interrupt import StopRequests, TrainingInterrupted
-from wsod.run import train_from_config
+from wsod.runs.train import train_from_config
 
 ROOT = Path(__file__).resolve().parents[1]
 

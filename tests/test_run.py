@@ -16,9 +16,11 @@ from hydra import compose, initialize_config_dir
 from omegaconf import OmegaConf
 from tiny_run import tiny_overrides
 
-import wsod.run as run
+import wsod.runs.evaluate as evaluate_run
+import wsod.runs.prologue as prologue
+import wsod.runs.train as train_run
 from wsod.build import load_detector
-from wsod.run import train_from_config
+from wsod.runs.train import train_from_config
 
 ROOT = Path(__file__).resolve().parents[1]
 ENV = {**os.environ, "PYTHONUNBUFFERED": "1"}
@@ -116,8 +118,10 @@ def test_resumed_run_reaches_the_same_weights(tiny_toy_root, tmp_path, caplog, m
         shutil.rmtree(interrupted / name) if name == "eval" else (interrupted / name).unlink()
     (interrupted / "model_0000003.pth").write_bytes((interrupted / "model_0000002.pth").read_bytes()[:1000])
     loads = []
-    real = run.latest_valid_checkpoint
-    monkeypatch.setattr(run, "latest_valid_checkpoint", lambda *a, **k: loads.append((a, k)) or real(*a, **k))
+    real = train_run.latest_valid_checkpoint
+    monkeypatch.setattr(
+        train_run, "latest_valid_checkpoint", lambda *a, **k: loads.append((a, k)) or real(*a, **k)
+    )
     summary = train_from_config(
         _config(tiny_overrides(tiny_toy_root, interrupted, **{**extra, "resume": "true"}))
     )
@@ -202,16 +206,17 @@ def test_eval_under_torchrun_writes_one_directory_and_scores_once(tiny_toy_root,
 @pytest.mark.parametrize("entry", ["train_from_config", "evaluate_from_config"])
 def test_the_process_group_is_left_even_when_the_run_fails(monkeypatch, entry):
     events = []
-    monkeypatch.setattr(run, "setup_distributed", lambda: events.append("setup"))
-    monkeypatch.setattr(run, "cleanup_distributed", lambda: events.append("cleanup"))
+    module = train_run if entry == "train_from_config" else evaluate_run
+    monkeypatch.setattr(module, "setup_distributed", lambda: events.append("setup"))
+    monkeypatch.setattr(module, "cleanup_distributed", lambda: events.append("cleanup"))
 
     def fail(cfg):
         raise RuntimeError("boom")
 
-    monkeypatch.setattr(run, "_train" if entry == "train_from_config" else "_evaluate", fail)
+    monkeypatch.setattr(module, "_train" if entry == "train_from_config" else "_evaluate", fail)
     cfg = _config([]) if entry == "train_from_config" else _eval_config(["checkpoint=x.pth"])
     with pytest.raises(RuntimeError, match="boom"):
-        getattr(run, entry)(cfg)
+        getattr(module, entry)(cfg)
     assert events == ["setup", "cleanup"]
 
 
@@ -256,13 +261,13 @@ def test_every_entry_point_shares_one_setup_that_claims_the_directory_and_leaves
         raise ValueError("not this one")
 
     with pytest.raises(ValueError, match="not this one"):
-        run.run_in_directory(cfg, str(tmp_path / "refused"), "unused", fail, claim=refuse)
+        prologue.run_in_directory(cfg, str(tmp_path / "refused"), "unused", fail, claim=refuse)
     assert not (tmp_path / "refused").exists()  # refused before anything was written there
     out = tmp_path / "out"
     with pytest.raises(RuntimeError, match="boom"):
-        run.run_in_directory(cfg, str(out), "unused", fail)
+        prologue.run_in_directory(cfg, str(out), "unused", fail)
     assert (out / "error.txt").read_text().startswith("RuntimeError: boom")
-    result = run.run_in_directory(
+    result = prologue.run_in_directory(
         cfg, str(out), "unused", lambda d, c, device: seen.append((d, device)) or "done",
         claim=lambda directory, cfg: f"claimed {directory.name}",
     )  # fmt: skip

@@ -19,11 +19,14 @@ import torch
 from hydra import compose, initialize_config_dir
 from tiny_run import minimal_pseudo_labels, tiny_overrides
 
-import wsod.run as wsod_run
+import wsod.runs.train as train_run
 from wsod.config_checks import ConfigError
 from wsod.directory_lock import LOCK_FILE, DirectoryBusyError, DirectoryLock
-from wsod.run import evaluate_from_config, predict_from_config, train_from_config
-from wsod.stage2 import export_from_config, train_stage2_from_config
+from wsod.runs.evaluate import evaluate_from_config
+from wsod.runs.export import export_from_config
+from wsod.runs.predict import predict_from_config
+from wsod.runs.stage2 import train_stage2_from_config
+from wsod.runs.train import train_from_config
 
 ROOT = Path(__file__).resolve().parents[1]
 LEGACY = ROOT / "tests" / "engine" / "legacy" / "model_0000002_v0.pth"  # a first-stage checkpoint
@@ -188,7 +191,7 @@ def test_an_attempt_that_failed_before_its_first_step_is_started_over(tiny_toy_r
     def missing_data(*args, **kwargs):
         raise FileNotFoundError("data/my_images: no such folder")
 
-    monkeypatch.setattr(wsod_run, "prepare_data", missing_data)
+    monkeypatch.setattr(train_run, "prepare_data", missing_data)
     with pytest.raises(FileNotFoundError):
         train_from_config(_compose("train", overrides))
     assert (run_dir / "error.txt").is_file() and (run_dir / "config.yaml").is_file()

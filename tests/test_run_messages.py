@@ -14,7 +14,8 @@ from tiny_run import tiny_overrides
 
 from wsod.config_checks import ConfigError
 from wsod.engine.checkpoint import save_checkpoint
-from wsod.run import evaluate_from_config, train_from_config
+from wsod.runs.evaluate import evaluate_from_config
+from wsod.runs.train import train_from_config
 
 ROOT = Path(__file__).resolve().parents[1]
 LEGACY = ROOT / "tests" / "engine" / "legacy" / "model_0000002_v0.pth"  # a first-stage checkpoint

@@ -29,7 +29,7 @@ from omegaconf import OmegaConf, open_dict
 from PIL import Image
 from tiny_run import tiny_overrides
 
-import wsod.run as run
+import wsod.runs.prologue as prologue
 from wsod.engine.run_summary import (
     SECONDS_COLUMN,
     Stats,
@@ -384,20 +384,19 @@ def hydra_job():
 def test_a_sweep_job_runs_in_its_own_directory_unless_output_dir_is_given(hydra_job, tmp_path):
     hydra_job("method=oicr", "seed=2", "resume=true", f"hydra.sweep.dir={tmp_path / 'methods'}")
     # Sorted overrides, resume left out (a rerun with resume=true finds the run), hydra.* too.
-    assert run.sweep_job_dir() == str(tmp_path / "methods" / "method=oicr,seed=2")
-    assert run.choose_output_dir(None, "runs", sweep=True) == tmp_path / "methods" / "method=oicr,seed=2"
-    assert run.choose_output_dir(str(tmp_path / "mine"), "runs", sweep=True) == tmp_path / "mine"
+    assert prologue.sweep_job_dir() == str(tmp_path / "methods" / "method=oicr,seed=2")
+    assert prologue.choose_output_dir(None, "runs", sweep=True) == tmp_path / "methods" / "method=oicr,seed=2"
+    assert prologue.choose_output_dir(str(tmp_path / "mine"), "runs", sweep=True) == tmp_path / "mine"
     parent = tmp_path / "runs"
-    assert run.choose_output_dir(None, str(parent)).parent == parent  # eval and predict: as before
+    assert prologue.choose_output_dir(None, str(parent)).parent == parent  # eval and predict: as before
     hydra_job("method=oicr", mode=RunMode.RUN)  # python tools/train.py without -m: runs/<date>_<time>
-    assert (
-        run.sweep_job_dir() is None and run.choose_output_dir(None, str(parent), sweep=True).parent == parent
-    )
+    assert prologue.sweep_job_dir() is None
+    assert prologue.choose_output_dir(None, str(parent), sweep=True).parent == parent
 
 
 def test_the_default_sweep_directory_is_under_runs_multirun(hydra_job):
     hydra_job("seed=1", "method=mist")
-    directory = Path(run.sweep_job_dir())
+    directory = Path(prologue.sweep_job_dir())
     assert directory.name == "method=mist,seed=1" and directory.parent.parent == Path("runs/multirun")
 
 
@@ -476,7 +475,7 @@ def test_a_sweep_rerun_refuses_finished_jobs_goes_on_with_the_others_and_resumes
     # line (on the console, not in the log of the job before it), and the command fails naming it.
     result = _sweep(tiny_toy_root, sweep_dir, "seed=2,1")
     assert result.returncode == 1
-    refused = f"error: ConfigError: {sweep_dir / 'seed=1'} already holds a run (checkpoints): resume=true"
+    refused = f"error: ConfigError: {sweep_dir / 'seed=1'} already holds a run (checkpoints up to"
     assert refused in result.stderr
     assert result.stderr.splitlines()[-1] == (
         f"error: 1 of 2 sweep jobs failed (their errors above): #1 {sweep_dir / 'seed=1'}"

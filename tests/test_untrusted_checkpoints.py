@@ -17,8 +17,11 @@ from hydra import compose, initialize_config_dir
 from tiny_run import minimal_pseudo_labels, tiny_overrides
 
 from wsod.engine.checkpoint import UntrustedCheckpointError, latest_valid_checkpoint, load_checkpoint
-from wsod.run import evaluate_from_config, predict_from_config, train_from_config
-from wsod.stage2 import export_from_config, train_stage2_from_config
+from wsod.runs.evaluate import evaluate_from_config
+from wsod.runs.export import export_from_config
+from wsod.runs.predict import predict_from_config
+from wsod.runs.stage2 import train_stage2_from_config
+from wsod.runs.train import train_from_config
 
 ROOT = Path(__file__).resolve().parents[1]
 LEGACY = ROOT / "tests" / "engine" / "legacy" / "model_0000002_v0.pth"  # a real checkpoint of the toy set

@@ -12,7 +12,7 @@ import hydra
 from omegaconf import DictConfig
 
 from wsod.cli import run_tool
-from wsod.run import evaluate_from_config
+from wsod.runs.evaluate import evaluate_from_config
 
 CONFIGS = str(Path(__file__).resolve().parents[1] / "configs")
 

@@ -15,7 +15,7 @@ import hydra
 from omegaconf import DictConfig
 
 from wsod.cli import run_tool
-from wsod.stage2 import export_from_config
+from wsod.runs.export import export_from_config
 
 CONFIGS = str(Path(__file__).resolve().parents[1] / "configs")
 

@@ -16,7 +16,7 @@ import hydra
 from omegaconf import DictConfig
 
 from wsod.cli import run_tool
-from wsod.run import predict_from_config
+from wsod.runs.predict import predict_from_config
 
 CONFIGS = str(Path(__file__).resolve().parents[1] / "configs")
 

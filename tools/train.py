@@ -19,7 +19,8 @@ from hydra.types import RunMode
 from omegaconf import DictConfig
 
 from wsod.cli import SweepJobs, run_tool
-from wsod.run import sweep_job_dir, train_from_config
+from wsod.runs.prologue import sweep_job_dir  # registers the sweep folder resolver of configs/train.yaml
+from wsod.runs.train import train_from_config
 
 CONFIGS = str(Path(__file__).resolve().parents[1] / "configs")
 

@@ -17,8 +17,8 @@ from hydra.types import RunMode
 from omegaconf import DictConfig
 
 from wsod.cli import SweepJobs, run_tool
-from wsod.run import sweep_job_dir  # also registers the sweep folder resolver of configs/stage2.yaml
-from wsod.stage2 import train_stage2_from_config
+from wsod.runs.prologue import sweep_job_dir  # registers the sweep folder resolver of configs/stage2.yaml
+from wsod.runs.stage2 import train_stage2_from_config
 
 CONFIGS = str(Path(__file__).resolve().parents[1] / "configs")
 

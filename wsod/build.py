@@ -1,34 +1,40 @@
-"""The one place that turns a Hydra config into objects. Modules never see the config: besides this file
-only the entry points read it (``wsod.run``: training, evaluation and prediction; the thin scripts in
-tools/) and ``wsod.config_checks`` checks it. See configs/ for the fields and their meaning."""
+"""The one place that turns a Hydra config into objects: data, models, optimizers and schedules,
+evaluators, and what a training run holds besides (its loader, checkpointer, companions and previews).
+Modules never see the config: besides this file only the entry points read it (``wsod.runs``, each
+reading only what is its own: the run directory, the resume policy, logging; the thin scripts in tools/)
+and ``wsod.config_checks`` checks it. See configs/ for the fields and their meaning."""
 
 from __future__ import annotations
 
 import logging
 import os
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import torch
 from omegaconf import DictConfig, OmegaConf
-from torch.utils.data import Dataset
+from torch.utils.data import DataLoader, Dataset
 from torchvision.transforms import v2
 
-from wsod.data.coco import CocoDataset
+from wsod.config_compat import upgrade_model_settings
+from wsod.config_schema import plain
 from wsod.data.dataset import ConcatWeakDataset, WeakDetectionDataset
-from wsod.data.folder import SPLIT_SEED, TEST_FRACTION, FolderDataset, require_proposals
+from wsod.data.formats import DatasetFormat, dataset_format
+from wsod.data.loader import build_train_loader
 from wsod.data.pseudo_boxes import attach_pseudo_boxes
 from wsod.data.roi_sampling import PartialLabelRoiSampler
 from wsod.data.targets import check_supervision
-from wsod.data.toy import ensure_toy_dataset
 from wsod.data.transforms import train_transform
-from wsod.data.voc import VOCDataset
 from wsod.distributed import main_process_first
 from wsod.engine.adversarial import DropBlockAdversary
 from wsod.engine.amp import resolve_amp
 from wsod.engine.balancing import LossBalancer
-from wsod.engine.checkpoint import load_checkpoint
+from wsod.engine.checkpoint import Checkpointer, load_checkpoint
+from wsod.engine.companion import Companion
 from wsod.engine.evaluate import Evaluator
+from wsod.engine.pseudo_label_preview import TAG as PREVIEW_TAG
+from wsod.engine.pseudo_label_preview import PseudoLabelPreview
 from wsod.engine.solver import build_optimizer as _build_optimizer
 from wsod.engine.solver import build_scheduler as _build_scheduler
 from wsod.modeling.detector import (
@@ -39,7 +45,7 @@ from wsod.modeling.detector import (
 )
 from wsod.modeling.faster_rcnn import ARCHITECTURE as FASTER_RCNN
 from wsod.modeling.faster_rcnn import FasterRCNNDetector, build_faster_rcnn
-from wsod.modeling.method import MOVED_TO_METHOD, RefinementMethod
+from wsod.modeling.method import RefinementMethod
 from wsod.modeling.refinement import MISTLabeler, OICRLabeler, PseudoLabeler
 
 __all__ = [
@@ -62,14 +68,17 @@ __all__ = [
     "build_adversary",
     "build_balancer",
     "build_scheduler",
+    "COMPANIONS",
+    "build_companions",
+    "build_loader",
+    "build_checkpointer",
+    "build_pseudo_label_preview",
 ]
 
 logger = logging.getLogger(__name__)
 
 # The per-image labeller of each built-in method (``METHODS`` in wsod/modeling/detector.py holds the methods).
 LABELERS: dict[str, type] = {"mist": MISTLabeler, "oicr": OICRLabeler}
-# Checkpoints written before configs/method/ existed held MIST's settings among the model's.
-_LEGACY_MIST_KEYS = {"mist_p": "p", "mist_tau": "tau", "mist_suppress": "suppress"}
 
 
 def resolve_device(name: str) -> torch.device:
@@ -94,9 +103,10 @@ def resolve_threads(threads: int | str | None, loader_workers: int) -> int | Non
 
 
 def _plain(node: DictConfig | dict | None) -> dict[str, Any]:
+    """A config node as keyword arguments: plain values, choices as strings (``config_schema.plain``)."""
     if node is None:
         return {}
-    return OmegaConf.to_container(node, resolve=True) if isinstance(node, DictConfig) else dict(node)
+    return plain(node) if isinstance(node, DictConfig) else dict(node)
 
 
 def build_method(method_cfg: DictConfig | dict | None) -> RefinementMethod:
@@ -166,70 +176,51 @@ def load_detector(
         model.load_state_dict(checkpoint["model"])
         return model.to(map_location).eval(), metadata
     # Settings in an older checkpoint's layout (the method's among the model's) are read too.
-    model_settings, method_settings = _current_settings(
-        dict(metadata["model"]), _plain(metadata.get("method"))
+    model_settings, method_settings = upgrade_model_settings(
+        metadata["model"], _plain(metadata.get("method"))
     )
     model = build_model({**model_settings, "weights": None}, len(metadata["classes"]), method_settings)
     model.load_state_dict(checkpoint["model"])
     return model.to(map_location).eval(), metadata
 
 
-def _current_settings(model: dict[str, Any], method: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
-    """A checkpoint's (model, method) settings in today's layout: older checkpoints held the method's
-    settings among the model's (``pseudo_labels``, ``mist_*`` before configs/method/; ``num_students``
-    and ``first_student_loss_weight`` before the method seam)."""
-    if "pseudo_labels" in model:  # written before configs/method/ existed
-        method = {"name": model.pop("pseudo_labels"), "fg_iou": model.pop("fg_iou", 0.5)}
-        mist = {key: model.pop(old) for old, key in _LEGACY_MIST_KEYS.items() if old in model}
-        if method["name"] == "mist":
-            method.update(mist)
-    for key in MOVED_TO_METHOD:
-        if key in model:
-            method.setdefault(key, model.pop(key))
-    return model, method
-
-
 def prepare_data(data_cfg: DictConfig, progress: bool = False) -> None:
-    """Generate what a dataset needs on first use (the toy set), with progress bars if asked: the main
-    process first, the others waiting and then finding it in place, so that ranks never generate it
-    concurrently. A folder dataset's proposals are never made here: their absence is an error giving
-    the ``tools/make_proposals.py folder`` command (Selective Search deserves its own progress bar)."""
+    """Run the data format's first-use step (``DatasetFormat.prepare``: the toy set is generated, a
+    folder's proposals must exist), with progress bars if asked: the main process first, the others
+    waiting and then finding it in place, so that ranks never generate it concurrently. A folder
+    dataset's proposals are never made here: their absence is an error giving the
+    ``tools/make_proposals.py folder`` command (Selective Search deserves its own progress bar)."""
+    data_format = _format(data_cfg)
     with main_process_first():
-        if data_cfg.kind == "toy":
-            _toy(data_cfg, progress)
-        elif data_cfg.kind == "folder":
-            require_proposals(data_cfg.root)
+        if data_format.prepare is not None:
+            data_format.prepare(_settings(data_cfg), progress)
 
 
-def _toy(data_cfg: DictConfig, progress: bool = False):
-    return ensure_toy_dataset(
-        data_cfg.root, num_train=data_cfg.num_train, num_test=data_cfg.num_test, progress=progress
-    )
+def _format(data_cfg: DictConfig) -> DatasetFormat:
+    """The format ``data.kind`` names (``wsod.data.formats.DATASET_FORMATS``); one line when unknown."""
+    return dataset_format(data_cfg.get("kind"))
+
+
+def _settings(node: DictConfig | dict) -> dict[str, Any]:
+    """A config node as the plain dict a dataset format reads (choices as strings); a mandatory value
+    left unset (``???``, e.g. a folder's data.root) is OmegaConf's error naming it."""
+    if isinstance(node, DictConfig):
+        return OmegaConf.to_container(node, resolve=True, throw_on_missing=True, enum_to_str=True)
+    return dict(node)
 
 
 def _open(
     data_cfg: DictConfig, source: DictConfig, *, transform, max_proposals: int | None, drop_unlabelled: bool
 ) -> WeakDetectionDataset:
-    options = dict(
+    """One set (``source``: a ``data.train.sets`` entry or ``data.test.set``), opened by its format."""
+    return _format(data_cfg).open(
+        _settings(data_cfg),
+        _settings(source),
         transform=transform,
         max_proposals=max_proposals,
         drop_unlabelled=drop_unlabelled,
         partial_labels=source.get("partial_labels"),  # a train set's side file (wsod.data.partial_labels)
     )
-    if data_cfg.kind == "toy":
-        return _toy(data_cfg).dataset(source.image_set, **options)
-    if data_cfg.kind == "voc":
-        return VOCDataset(data_cfg.devkit, str(source.year), source.image_set, source.proposals, **options)
-    if data_cfg.kind == "coco":
-        return CocoDataset(source.annotations, source.images, source.proposals, **options)
-    if data_cfg.kind == "folder":
-        classes = None if data_cfg.classes is None else list(data_cfg.classes)
-        split = dict(  # the seeded split of a labels.csv without a split column
-            split_seed=data_cfg.get("split_seed", SPLIT_SEED),
-            test_fraction=data_cfg.get("test_fraction", TEST_FRACTION),
-        )
-        return FolderDataset(data_cfg.root, source.split, classes=classes, **split, **options)
-    raise ValueError(f"data.kind must be toy, voc, coco or folder, got '{data_cfg.kind}'")
 
 
 def _train_transform(train: DictConfig):
@@ -247,15 +238,10 @@ def build_train_dataset(data_cfg: DictConfig) -> Dataset:
     if sampling is not None:  # images with points or scribbles train on a sample of their ROIs
         sampler = PartialLabelRoiSampler(sampling.rois_per_image, sampling.positive_fraction)
         transform = v2.Compose([transform, sampler])
-    # docs/METHOD.md §9: COCO images without any label are dropped from training.
+    # docs/METHOD.md §9: COCO images without any label are dropped from training (the format says).
+    drop = _format(data_cfg).drop_unlabelled_in_training
     sets = [
-        _open(
-            data_cfg,
-            source,
-            transform=transform,
-            max_proposals=train.max_proposals,
-            drop_unlabelled=data_cfg.kind == "coco",
-        )  # fmt: skip
+        _open(data_cfg, source, transform=transform, max_proposals=train.max_proposals, drop_unlabelled=drop)
         for source in train.sets
     ]
     return sets[0] if len(sets) == 1 else ConcatWeakDataset(sets)
@@ -378,18 +364,17 @@ def build_balancer(
     settings = solver_cfg.gradnorm
     if not settings.enabled:
         return None
-    # A solver node written before the four settings existed (a saved config) means GradNorm as it was.
-    follow = settings.get("follow_milestones", False)
+    follow = settings.follow_milestones
     schedule = {"milestones": list(solver_cfg.milestones), "gamma": solver_cfg.gamma} if follow else {}
     balancer = LossBalancer(
         len(model.loss_names),
         alpha=settings.alpha,
         lr=settings.lr,
         min_weight=settings.min_weight,
-        start_iter=settings.get("start_iter", 0),
-        window=settings.get("window", 0),
-        balance=settings.get("balance", "all"),
-        normalize_rates=settings.get("normalize_rates", False),
+        start_iter=settings.start_iter,
+        window=settings.window,
+        balance=str(settings.balance),
+        normalize_rates=settings.normalize_rates,
         **schedule,
     )
     return balancer.to(device)
@@ -445,3 +430,67 @@ def build_scheduler(
         warmup_factor=solver_cfg.warmup_factor,
         momentum_rescale=solver_cfg.momentum_rescale,
     )
+
+
+# -- what a training run holds besides its model, data and optimizer (wsod.runs.train, wsod.runs.stage2) --
+
+# The training extras of a run (``wsod.engine.companion``), by name: each builder returns its companion, or
+# None when the config leaves it off. The order is the order the training loop calls them in each step:
+# the adversary's update runs before GradNorm's. A new companion is one entry here.
+COMPANIONS: dict[str, Callable[[DictConfig, WeaklySupervisedDetector, torch.device], Companion | None]] = {
+    "dropblock_adversary": build_adversary,
+    "gradnorm": build_balancer,
+}
+
+
+def build_companions(
+    solver_cfg: DictConfig, model: WeaklySupervisedDetector, device: torch.device
+) -> list[Companion]:
+    """The training extras ``solver_cfg`` turns on for ``model``, in ``COMPANIONS``' order."""
+    built = (build(solver_cfg, model, device) for build in COMPANIONS.values())
+    return [companion for companion in built if companion is not None]
+
+
+def build_loader(cfg: DictConfig, train_set: Dataset, device: torch.device) -> DataLoader:
+    """The training loader of a training config (configs/train.yaml, configs/stage2.yaml):
+    ``solver.ims_per_batch`` images per batch on each process, ``data.train.num_workers`` workers,
+    shuffled from ``seed``; pinned memory on CUDA (``wsod.data.loader.build_train_loader``)."""
+    return build_train_loader(
+        train_set, cfg.solver.ims_per_batch, num_workers=cfg.data.train.num_workers, seed=cfg.seed,
+        pin_memory=device.type == "cuda",
+    )  # fmt: skip
+
+
+def build_checkpointer(
+    cfg: DictConfig, run_dir: str | Path, metadata: dict[str, Any], *, enabled: bool
+) -> Checkpointer:
+    """The run's checkpointer: a checkpoint every ``checkpoint_period`` steps, the newest
+    ``keep_checkpoints`` kept, ``metadata`` in every file; ``enabled``: this process writes (the main one
+    under torchrun); ``trust_checkpoint``: how the files it reads back are unpickled."""
+    return Checkpointer(
+        run_dir,
+        period=cfg.checkpoint_period,
+        keep=cfg.keep_checkpoints,
+        metadata=metadata,
+        enabled=enabled,
+        trust=cfg.trust_checkpoint,
+    )
+
+
+def build_pseudo_label_preview(
+    cfg: DictConfig, train_set: Dataset, device: torch.device
+) -> PseudoLabelPreview | None:
+    """The tensorboard previews of each student's pseudo-labels (``cfg.pseudo_label_preview``), or None
+    when ``period`` is 0: the first ``images`` training images at the first training scale."""
+    settings = cfg.pseudo_label_preview
+    if not settings.period:
+        return None
+    preview = PseudoLabelPreview.from_dataset(
+        train_set, train_set.classes, num_images=settings.images, scale=cfg.data.train.scales[0],
+        max_size=cfg.data.train.max_size, period=settings.period, device=device,
+    )  # fmt: skip
+    logger.info(
+        "pseudo-label previews every %d steps: %d training image(s) x each student, tensorboard %s/...",
+        settings.period, len(preview.images), PREVIEW_TAG,
+    )  # fmt: skip
+    return preview

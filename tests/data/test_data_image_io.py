@@ -16,7 +16,7 @@ from PIL import ExifTags, Image, ImageOps
 from wsod.data.dataset import ImageRecord, WeakDetectionDataset, image_size_from_header, load_image
 from wsod.data.image_io import read_image_rgb, read_image_size
 from wsod.data.proposals import ProposalSet, filter_proposals
-from wsod.data.selective_search import _read_bgr, generate_proposals
+from wsod.data.proposals.selective_search import _read_bgr, generate_proposals
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -202,7 +202,7 @@ def test_proposals_of_an_exif_rotated_image_lie_inside_it_as_training_decodes_it
 
 
 def test_predict_reads_an_exif_image_as_a_viewer_shows_it(tmp_path):
-    from wsod.predict_images import ImageFiles
+    from wsod.data.images import ImageFiles
 
     path = tmp_path / "phone.jpg"
     _save_oriented_jpeg(path, _smooth(30, 50), 8)

@@ -1,10 +1,10 @@
-"""The proposal sub-package keeps every old import path: ``wsod.data.proposals`` exports what the module of
-that name did, the old module paths are shims that give the very same objects, and a store pickled in one
+"""The proposal sub-package: ``wsod.data.proposals`` exports what the module of that name did, the old
+module paths of its parts (re-exporting shims until issue 35) are gone, and a store pickled in one
 process opens in a fresh interpreter (as a spawned data-loader worker unpickles it)."""
 
 from __future__ import annotations
 
-import importlib
+import importlib.util
 import pickle
 import subprocess
 import sys
@@ -27,24 +27,12 @@ MODULE_NAMES = (
     "MAT_SUFFIXES",
 )  # fmt: skip
 
-# Old module -> (its new home, the names code and tests import from the old path).
-SHIMS = {
-    "wsod.data.proposal_store": (
-        "wsod.data.proposals.store",
-        ("STORE_SUFFIX", "STORE_DTYPES", "ProposalStore", "ProposalStoreError", "is_store_path",
-         "write_proposal_store", "_reopen"),
-    ),
-    "wsod.data.selective_search": (
-        "wsod.data.proposals.selective_search",
-        ("selective_search", "generate_proposals", "GenerationStats", "MODES", "_read_bgr", "_run_shard",
-         "_ShardTask"),
-    ),
-    "wsod.data.proposal_recall": (
-        "wsod.data.proposals.recall",
-        ("RecallReport", "proposal_recall", "records_recall", "format_recall_table", "plot_recall",
-         "DEFAULT_COUNTS"),
-    ),
-}  # fmt: skip
+# Old module -> its home.
+MOVED = {
+    "wsod.data.proposal_store": "wsod.data.proposals.store",
+    "wsod.data.selective_search": "wsod.data.proposals.selective_search",
+    "wsod.data.proposal_recall": "wsod.data.proposals.recall",
+}
 
 
 def test_the_package_exports_every_name_the_module_had_and_lists_them_in_all():
@@ -54,15 +42,10 @@ def test_the_package_exports_every_name_the_module_had_and_lists_them_in_all():
     assert all(hasattr(proposals, name) for name in proposals.__all__)
 
 
-@pytest.mark.parametrize("old", sorted(SHIMS))
-def test_an_old_module_path_gives_the_same_objects_as_the_new_one(old):
-    new, names = SHIMS[old]
-    shim, module = importlib.import_module(old), importlib.import_module(new)
-    for name in names:
-        assert getattr(shim, name) is getattr(module, name), f"{old}.{name} is not {new}.{name}"
-    public = [n for n in names if not n.startswith("_")]
-    assert sorted(shim.__all__) == sorted(public)
-    assert set(module.__all__) <= set(shim.__all__)  # nothing the new module exports is missing here
+@pytest.mark.parametrize("old", sorted(MOVED))
+def test_an_old_module_path_is_gone(old):
+    assert importlib.util.find_spec(MOVED[old]) is not None
+    assert importlib.util.find_spec(old) is None, f"{old} is back: import {MOVED[old]} instead"
 
 
 def _store(tmp_path: Path) -> tuple[ProposalSet, Path]:
@@ -89,13 +72,3 @@ def test_a_store_pickles_by_its_path_and_opens_in_a_fresh_interpreter(tmp_path):
         "wsod.data.proposals.store",
         f"{original['000005'].tolist()} {original[7].tolist()}\n",
     ]
-
-
-def test_a_store_pickled_under_the_old_module_path_still_opens(tmp_path):
-    original, path = _store(tmp_path)
-    # Protocol 0 names the function as text, so the old path can be written in place of the new one.
-    data = pickle.dumps(load_proposals(path), protocol=0)
-    old = data.replace(b"wsod.data.proposals.store", b"wsod.data.proposal_store")
-    assert old != data
-    reopened = pickle.loads(old)
-    assert reopened[7].tolist() == original[7].tolist() and len(reopened) == 2

@@ -14,7 +14,7 @@ import time
 import numpy as np
 import pytest
 
-from wsod.data.proposal_recall import records_recall
+from wsod.data.proposals.recall import records_recall
 from wsod.data.toy import OBJECT_SIZE, TOY_CLASSES, ensure_toy_dataset, render_toy_image
 from wsod.data.voc import load_voc_records
 

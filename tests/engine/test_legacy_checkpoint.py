@@ -22,7 +22,7 @@ from hydra import compose, initialize_config_dir
 
 from wsod.build import load_detector
 from wsod.engine.checkpoint import load_checkpoint, save_checkpoint
-from wsod.run import train_from_config
+from wsod.runs.train import train_from_config
 
 ROOT = Path(__file__).resolve().parents[2]
 LEGACY = Path(__file__).parent / "legacy"

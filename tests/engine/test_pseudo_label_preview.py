@@ -28,7 +28,7 @@ from wsod.engine.visualize import GROUND_TRUTH_COLOUR, PALETTE
 from wsod.modeling import PseudoLabels, build_detector
 from wsod.modeling.detector import METHODS
 from wsod.modeling.refinement import MISTMethod
-from wsod.run import train_from_config
+from wsod.runs.train import train_from_config
 
 ROOT = Path(__file__).resolve().parents[2]
 WSDDNMethod = METHODS["wsddn"]

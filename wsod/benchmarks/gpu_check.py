@@ -233,7 +233,7 @@ def _workers(device: str) -> int:
 
 
 def _train(work: Path, device: str, sizes: dict[str, Any]) -> dict[str, Any]:
-    from wsod.run import train_from_config
+    from wsod.runs.train import train_from_config
 
     run_dir = work / "train_run"
     shutil.rmtree(run_dir, ignore_errors=True)
@@ -279,7 +279,7 @@ def _train(work: Path, device: str, sizes: dict[str, Any]) -> dict[str, Any]:
 
 def _evaluate(work: Path, device: str, sizes: dict[str, Any]) -> dict[str, Any]:
     from wsod.engine.checkpoint import list_checkpoints
-    from wsod.run import evaluate_from_config
+    from wsod.runs.evaluate import evaluate_from_config
 
     run_dir = work / "train_run"
     checkpoint = run_dir / "model_final.pth"

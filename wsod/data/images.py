@@ -1,5 +1,5 @@
 """Images named by the user, outside any dataset: what ``tools/predict.py`` reads
-(``wsod.run.predict_from_config``).
+(``wsod.runs.predict.predict_from_config``).
 
 ``input=`` is an image file, a folder (its images with the extensions of ``IMAGE_EXTENSIONS``, sub-folders
 included) or a glob pattern (``"input=photos/*.jpg"``; ``**`` reaches into sub-folders). Each image is

@@ -4,7 +4,7 @@ Five classes, each a distinct shape in a distinct colour (``TOY_CLASSES``); 1-3 
 image, 25-70 px, never overlapping; backgrounds of soft blotches, stripes and grain in muted colours.
 Written as ``{root}/VOCdevkit/VOC2007/{JPEGImages, Annotations, ImageSets/Main}`` (trainval, train, val,
 test and per-class files) plus Selective Search proposals for trainval and test in the reference pickle
-format (``{root}/proposals/selective_search_{split}.pkl``, made by ``wsod.data.selective_search``).
+format (``{root}/proposals/selective_search_{split}.pkl``, made by ``wsod.data.proposals.selective_search``).
 
 ``ensure_toy_dataset()`` generates it on first use and returns the paths afterwards. Every image is drawn
 from its own seeded generator (``seed``, image number), so the files are the same whatever the order or

@@ -60,7 +60,7 @@ class GradNorm(nn.Module):
             min_weight <= 1, or None for no floor: GradNorm as published). GradNorm's gradient does
             not keep a weight positive: with G_i = |w_i| g_i, once a weight crosses zero,
             |G_i - target_i| is minimised at w_i = -target_i / g_i, and the weight runs away on the
-            negative side, where it *maximises* its loss. A toy run did exactly that (README); the
+            negative side, where it *maximises* its loss. A toy run did exactly that (docs/RESULTS.md); the
             floor keeps every loss minimised.
 
     Attributes:

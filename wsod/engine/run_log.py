@@ -24,7 +24,7 @@ class RunLog:
     ``purge_after``: a resumed run continues after this iteration; rows and events logged later by the
     interrupted run are dropped first (tensorboard's ``purge_step``), so each iteration appears once. It
     stays an attribute: the training loop checks it against the iteration it resumes at. One RunLog
-    serves a whole run, the final evaluation's row included (``wsod.run``).
+    serves a whole run, the final evaluation's row included (``wsod.runs.train``).
     """
 
     def __init__(self, run_dir: str | Path, enabled: bool = True, purge_after: int | None = None) -> None:

@@ -2,7 +2,7 @@
 group's statistics over its runs (usually its seeds), as markdown tables, ``copypaste:`` lines and a plot.
 tools/summarize_runs.py is the command line.
 
-**A run directory** holds ``config.yaml``, the resolved config ``wsod.run`` writes, and ``metrics.jsonl``
+**A run directory** holds ``config.yaml``, the resolved config ``wsod.runs`` writes, and ``metrics.jsonl``
 (``wsod.engine.run_log.RunLog``): ``train`` rows every ``log_period`` steps, with ``seconds_per_iter``,
 and ``eval`` rows holding an evaluation's values (``wsod.engine.evaluate.Evaluation.values``): its
 metrics (``mAP`` and ``CorLoc``; ``AP``, ``AP50``, ... for COCO; ``cls_mAP`` on a test set without

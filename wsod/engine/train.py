@@ -10,7 +10,7 @@ rows of ``metrics.jsonl`` and tensorboard go through the caller's ``RunLog``; th
 adversarial DropBlock step, GradNorm) are ``Companion``s called at fixed points of each step
 (``wsod.engine.companion`` draws them); the tensorboard images of each student's pseudo-labels are
 the optional ``PseudoLabelPreview``'s. The caller writes ``config.yaml`` and ``log.txt`` and runs the
-final evaluation (``wsod.run``).
+final evaluation (``wsod.runs.train``).
 """
 
 from __future__ import annotations

@@ -216,7 +216,7 @@ class WeaklySupervisedDetector(nn.Module):
 
         Training needs ``targets`` or ``image_labels`` (both: they must agree). ``return_features``
         (training): also return the (R, D) ROI features the losses were computed from, the boundary
-        between the neck and the heads where GradNorm measures gradient norms (``wsod.gradnorm``);
+        between the neck and the heads where GradNorm measures gradient norms (``wsod.engine.gradnorm``);
         through DistributedDataParallel too, which only sees ``forward``. ``return_loss_scales``
         (with ``return_features``): a third element, each loss's detached pseudo-label weight scale
         (``RefinementMethod.loss_scales``; 1 for ``loss_mil`` and for losses the method gives none).

@@ -13,8 +13,6 @@ One concept per module, each importing only the ones above it in this list (so t
 - ``recall``: the fraction of ground-truth boxes the proposals cover (imported on its own, not here).
 
 This package re-exports every name ``wsod.data.proposals`` had when it was one module, and the store's.
-The old module paths ``wsod.data.proposal_store``, ``wsod.data.selective_search`` and
-``wsod.data.proposal_recall`` remain as re-exporting shims.
 """
 
 from wsod.data.proposals.io import (

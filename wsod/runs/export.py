@@ -1,5 +1,5 @@
-"""The second stage, importable: what tools/export_pseudo_labels.py and tools/train_stage2.py do
-(docs/METHOD.md §11, README "Second stage").
+"""What tools/export_pseudo_labels.py does, importable: the first half of the second stage
+(docs/METHOD.md §11, docs/guides/second_stage.md; ``wsod.runs.stage2`` trains on what it writes).
 
 ``export_from_config`` (configs/export.yaml): a trained checkpoint and a data config in; the training
 sets' images predicted at the data config's test views (``data.test.scales``, ``max_size``, ``flip``: the
@@ -10,13 +10,6 @@ evaluation's test-time augmentation), every detection after the model's NMS kept
 instances json, ``wsod.data.pseudo_boxes``), ``summary.json`` (images, boxes per image, boxes per class,
 labels given the whole image, and, where the training set has ground-truth boxes, the pseudo boxes'
 precision and recall at IoU 0.5 per class), ``log.txt`` with the same table.
-
-``train_stage2_from_config`` (configs/stage2.yaml): torchvision's Faster R-CNN (``configs/detector/``)
-trained on those boxes by the weakly-supervised model's own loop (``wsod.engine.train``: the run
-directory with ``config.yaml``, ``log.txt``, ``metrics.jsonl`` and tensorboard, atomic checkpoints, exact
-resume, the non-finite guard, gradient accumulation, AMP, DDP under torchrun, sweeps with ``-m``), then
-evaluated by the same ``Evaluator`` on the data config's test set. Its checkpoints record
-``architecture: faster_rcnn``, so tools/eval.py, tools/predict.py and the export itself take them.
 """
 
 from __future__ import annotations
@@ -30,39 +23,21 @@ from typing import Any
 import torch
 from omegaconf import DictConfig
 
-from wsod.build import (
-    build_evaluator,
-    build_export_datasets,
-    build_optimizer,
-    build_scheduler,
-    build_stage2_model,
-    build_stage2_train_dataset,
-    load_detector,
-    prepare_data,
-)
-from wsod.config_checks import EXPORT_RULES, STAGE2_RULES, ConfigError, check_config
+from wsod.build import build_export_datasets, load_detector, prepare_data
+from wsod.config_checks import EXPORT_RULES, ConfigError, check_config
 from wsod.data.dataset import ConcatWeakDataset
-from wsod.data.pseudo_boxes import check_pseudo_boxes_file, pseudo_boxes_json, write_pseudo_boxes
-from wsod.distributed import (
-    cleanup_distributed,
-    is_main_process,
-    main_process_first,
-    setup_distributed,
-)
+from wsod.data.pseudo_boxes import pseudo_boxes_json, write_pseudo_boxes
 from wsod.engine.inference import predict
 from wsod.engine.pseudo_boxes import PseudoBoxRule, pseudo_box_quality, select_pseudo_boxes
 from wsod.evaluation.coco import format_percent
-from wsod.modeling.faster_rcnn import ARCHITECTURE
-from wsod.run import begin_training_run, run_in_directory, run_training, train_and_evaluate
+from wsod.runs.prologue import run_in_directory
 
-__all__ = ["export_from_config", "train_stage2_from_config", "PSEUDO_LABELS_FILE"]
+__all__ = ["export_from_config", "PSEUDO_LABELS_FILE", "SUMMARY_FILE"]
 
 logger = logging.getLogger("wsod")
 
 PSEUDO_LABELS_FILE = "pseudo_labels.json"
 SUMMARY_FILE = "summary.json"
-
-# -- export ------------------------------------------------------------------------------------------
 
 
 def export_from_config(cfg: DictConfig) -> dict[str, Any]:
@@ -222,40 +197,3 @@ def _format_summary(summary: dict[str, Any], classes: list[str]) -> str:
         precision, recall = format_percent(quality["precision"]), format_percent(quality["recall"])
         line += f", precision@0.5={precision}, recall@0.5={recall}"
     return "\n".join([*lines, line])
-
-
-# -- train the second stage --------------------------------------------------------------------------
-
-
-def train_stage2_from_config(cfg: DictConfig) -> dict[str, Any]:
-    """Train the second-stage detector as ``cfg`` (configs/stage2.yaml) says; returns the loop's summary
-    plus the final metrics (like ``wsod.run.train_from_config``)."""
-    check_config(cfg, STAGE2_RULES)
-    check_pseudo_boxes_file(cfg.pseudo_labels)  # a wrong file is refused before the run folder exists
-    setup_distributed()
-    try:
-        return run_training(cfg, _train_stage2_in)
-    finally:
-        cleanup_distributed()
-
-
-def _train_stage2_in(run_dir: Path, cfg: DictConfig, device: torch.device) -> dict[str, Any]:
-    resolved, resume_from, resumed_at = begin_training_run(run_dir, cfg, device)
-    prepare_data(cfg.data, progress=cfg.progress and is_main_process())
-    train_set = build_stage2_train_dataset(cfg.data, cfg.pseudo_labels)
-    evaluator = build_evaluator(cfg.data, device, cfg.progress, random_baseline=cfg.random_baseline)
-    with main_process_first():  # ImageNet weights: fetched into torch hub's cache once, then read
-        model = build_stage2_model(cfg.detector, train_set.num_classes).to(device)
-    optimizer = build_optimizer(cfg.solver, model)
-    scheduler = build_scheduler(cfg.solver, optimizer)
-    metadata = {
-        "architecture": ARCHITECTURE,  # load_detector rebuilds a FasterRCNNDetector from these
-        "model": resolved["detector"],
-        "classes": list(train_set.classes),
-        "pseudo_labels": str(cfg.pseudo_labels),
-        "config": resolved,
-    }
-    return train_and_evaluate(
-        run_dir, cfg, device, model=model, optimizer=optimizer, scheduler=scheduler, train_set=train_set,
-        evaluator=evaluator, metadata=metadata, resume_from=resume_from, resumed_at=resumed_at,
-    )  # fmt: skip
