@@ -1,13 +1,14 @@
-"""The README's "Your own data" commands, run word for word on a folder of generated images: labels.csv
--> proposals -> training -> evaluation (classification mAP) -> predictions and drawn PNGs.
+"""The "Your own data" guide's commands (docs/guides/own_data.md, linked from the README), run word for
+word on a folder of generated images: labels.csv -> proposals -> training -> evaluation (classification
+mAP) -> predictions and drawn PNGs.
 
-The rule: the commands are parsed from the README's first ``bash`` block of that section, so the test and
-the README cannot drift apart. Each line runs as written, from a temporary working directory where the
+The rule: the commands are parsed from the guide's first ``bash`` block, so the test and the guide
+cannot drift apart. Each line runs as written, from a temporary working directory where the
 test made ``data/my_images`` (``python`` becomes this interpreter and ``tools/x.py`` this checkout's
-file; every other word is the README's). The only words the test adds come after the README's own and
-are listed in ``APPENDED``: a 4-step schedule for training (the README's command trains the full default
+file; every other word is the guide's). The only words the test adds come after the guide's own and
+are listed in ``APPENDED``: a 4-step schedule for training (the guide's command trains the full default
 schedule, minutes on a CPU), with an evaluation at step 2 so that periodic evaluation is covered too.
-Hydra applies overrides left to right, so everything the README says still holds. The predict command
+Hydra applies overrides left to right, so everything the guide says still holds. The predict command
 runs once exactly as written (threshold 0.3: a 4-step model rarely scores that high, so its JSON may be
 empty) and once more with ``score_threshold=0.0`` so that the entries' fields are checked on real ones.
 """
@@ -30,13 +31,14 @@ from PIL import Image
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
 from wsod.build import build_model
-from wsod.data.proposal_store import write_proposal_store
 from wsod.data.proposals import ProposalSet
+from wsod.data.proposals.store import write_proposal_store
 from wsod.data.toy import TOY_CLASSES
 from wsod.engine.checkpoint import save_checkpoint
 from wsod.engine.evaluate import NO_BOXES
 
 ROOT = Path(__file__).resolve().parents[1]
+GUIDE = ROOT / "docs" / "guides" / "own_data.md"
 ENV = {**os.environ, "PYTHONUNBUFFERED": "1"}
 ENV.pop("HYDRA_FULL_ERROR", None)
 APPENDED = {
@@ -51,12 +53,9 @@ FIELDS = {"image_id", "file_name", "category_id", "category_name", "bbox", "scor
 
 
 def readme_commands() -> list[str]:
-    """The lines of the first ``bash`` block under the README's "## Your own data" heading."""
-    text = (ROOT / "README.md").read_text()
-    section = text[text.index("## Your own data") :]
-    section = section[: section.index("\n## ", 1)]
-    block = re.search(r"```bash\n(.*?)```", section, re.S)
-    assert block, "the README's own-data section has no bash block"
+    """The lines of the first ``bash`` block of the "Your own data" guide."""
+    block = re.search(r"```bash\n(.*?)```", GUIDE.read_text(), re.S)
+    assert block, "the own-data guide has no bash block"
     return [line for line in block.group(1).splitlines() if line.strip() and not line.startswith("#")]
 
 

@@ -1,5 +1,6 @@
-"""Every command the README (and docs/BENCHMARKS.md, data/README.md), the comments of the configs and
-the usage lines of the tools show works as written.
+"""Every command the README (and docs/RESULTS.md, the guides in docs/guides/, docs/BENCHMARKS.md,
+data/README.md), the comments of the configs and the usage lines of the tools show works as written;
+the README stays a short front door whose links, and those of the results and the guides, all resolve.
 
 Commands are collected from fenced ``bash`` blocks (backslash continuations joined, comments dropped),
 from inline code that starts with ``python tools/`` or ``torchrun``, from config comment lines that hold
@@ -10,8 +11,9 @@ such a command (``#   python tools/train.py ...``), and from the tools' module d
   Placeholders (``...``, ``<run>``) are left out: they stand for the reader's own values.
 * the argparse tools (benchmarks, ``make_proposals.py``): their parser accepts the command's arguments.
 
-Running them is the job of other tests: the own-data block runs word for word in
-``tests/test_own_data.py``, each training feature runs in ``tests/test_run.py``, and the default toy run
+Running them is the job of other tests: the own-data block (docs/guides/own_data.md) runs word for
+word in ``tests/test_own_data.py``, the second stage's toy pipeline (docs/guides/second_stage.md) in
+``tests/test_stage2.py``, each training feature runs in ``tests/test_run.py``, and the default toy run
 (``python tools/train.py``, about 20 minutes on 2 cores) runs word for word in the slow test below.
 """
 
@@ -42,7 +44,10 @@ from wsod.config_checks import (
 )
 
 ROOT = Path(__file__).resolve().parents[1]
-DOCUMENTS = ("README.md", "docs/BENCHMARKS.md", "data/README.md")
+GUIDES = tuple(sorted(str(p.relative_to(ROOT)) for p in (ROOT / "docs" / "guides").glob("*.md")))
+DOCUMENTS = ("README.md", "docs/RESULTS.md", *GUIDES, "docs/BENCHMARKS.md", "data/README.md")
+README_LIMIT = 10 * 1024  # bytes: the README is a front door; the details live in docs/
+LINKED_DOCUMENTS = ("README.md", "docs/RESULTS.md", "docs/ARCHITECTURE.md", *GUIDES)
 HYDRA_TOOLS = {
     "train.py": ("train", TRAIN_RULES),
     "eval.py": ("eval", EVAL_RULES),
@@ -163,6 +168,53 @@ def test_each_documented_command_is_valid(document, command, monkeypatch):
     monkeypatch.setattr(argparse.ArgumentParser, "parse_args", parse_then_stop)
     with pytest.raises(_Parsed):
         module.main(arguments)
+
+
+def _links(path: Path) -> list[str]:
+    """The targets of a Markdown document's links and images (``[text](target)``), code left out."""
+    text = re.sub(r"```.*?```", "", path.read_text(), flags=re.S)
+    text = re.sub(r"`[^`\n]*`", "", text)
+    return re.findall(r"\]\(([^)\s]+)(?:\s+\"[^\"]*\")?\)", text)
+
+
+def _anchors(path: Path) -> set[str]:
+    """The anchors GitHub gives a Markdown document's headings (lower case, punctuation dropped, spaces
+    as hyphens, a repeated heading numbered)."""
+    text = re.sub(r"```.*?```", "", path.read_text(), flags=re.S)
+    anchors: set[str] = set()
+    for heading in re.findall(r"^#{1,6}[ \t]+(.+?)[ \t#]*$", text, flags=re.M):
+        slug = re.sub(r"[^\w\- ]", "", heading.strip().lower()).replace(" ", "-")
+        numbered, n = slug, 0
+        while numbered in anchors:
+            n += 1
+            numbered = f"{slug}-{n}"
+        anchors.add(numbered)
+    return anchors
+
+
+def test_the_readme_is_a_short_front_door_to_every_guide():
+    readme = ROOT / "README.md"
+    size = len(readme.read_bytes())
+    assert size <= README_LIMIT, f"README.md is {size} bytes, over {README_LIMIT}: move the details to docs/"
+    assert len(GUIDES) >= 7, GUIDES
+    linked = {str((ROOT / link.partition("#")[0]).resolve().relative_to(ROOT)) for link in _links(readme)}
+    assert {*GUIDES, "docs/RESULTS.md"} <= linked, "every guide and the results are linked from the README"
+
+
+@pytest.mark.parametrize("document", LINKED_DOCUMENTS)
+def test_every_relative_link_of_the_readme_results_and_guides_resolves(document):
+    source = ROOT / document
+    broken = []
+    for link in _links(source):
+        if re.match(r"[a-z][a-z0-9+.-]*:", link):  # https:, mailto: ... are not files of the repository
+            continue
+        target, _, anchor = link.partition("#")
+        path = (source.parent / target).resolve() if target else source
+        if not path.exists():
+            broken.append(f"{link} (no such file)")
+        elif anchor and path.suffix == ".md" and anchor not in _anchors(path):
+            broken.append(f"{link} (no such heading)")
+    assert not broken, f"{document}: {broken}"
 
 
 @pytest.mark.slow

@@ -1,6 +1,6 @@
-"""The second stage end to end on the tiny toy set: the README pipeline (train -> export -> train stage 2
--> eval) word for word with a short schedule, the exported json's guarantees, tools/predict.py on a
-second-stage checkpoint, and an exact resume of a second-stage run."""
+"""The second stage end to end on the tiny toy set: the guide's pipeline (docs/guides/second_stage.md:
+train -> export -> train stage 2 -> eval) word for word with a short schedule, the exported json's
+guarantees, tools/predict.py on a second-stage checkpoint, and an exact resume of a second-stage run."""
 
 from __future__ import annotations
 
@@ -26,8 +26,11 @@ from wsod.config_checks import ConfigError
 from wsod.data.toy import ensure_toy_dataset
 from wsod.engine.interrupt import TrainingInterrupted
 from wsod.engine.train import NonFiniteLossError
-from wsod.run import evaluate_from_config, predict_from_config, train_from_config
-from wsod.stage2 import export_from_config, train_stage2_from_config
+from wsod.runs.evaluate import evaluate_from_config
+from wsod.runs.export import export_from_config
+from wsod.runs.predict import predict_from_config
+from wsod.runs.stage2 import train_stage2_from_config
+from wsod.runs.train import train_from_config
 
 ROOT = Path(__file__).resolve().parents[1]
 ENTRY_POINTS = {
@@ -49,14 +52,14 @@ def _compose(name: str, overrides: list[str]):
 
 
 def readme_pipeline() -> list[str]:
-    """The README's toy pipeline: the first bash block of its "Second stage" section."""
-    section = (ROOT / "README.md").read_text().split("## Second stage", 1)[1]
-    block = re.search(r"```bash\n(.*?)```", section, flags=re.S).group(1)
+    """The toy pipeline: the first bash block of the "Second stage" guide."""
+    text = (ROOT / "docs" / "guides" / "second_stage.md").read_text()
+    block = re.search(r"```bash\n(.*?)```", text, flags=re.S).group(1)
     return [re.sub(r"\s+#.*$", "", line).strip() for line in block.splitlines() if line.strip()]
 
 
 def _short(root: Path, name: str, run_dir: Path | None = None) -> list[str]:
-    """The short schedule on the tiny toy set for each entry point (appended to a README command)."""
+    """The short schedule on the tiny toy set for each entry point (appended to a guide's command)."""
     data = [o for o in tiny_overrides(root, Path("unused")) if o.startswith("data.")]
     if name == "train":
         return [o for o in tiny_overrides(root, Path("unused")) if not o.startswith("output_dir=")]
@@ -78,11 +81,11 @@ _RUN_KEYS = (
 
 @pytest.fixture(scope="module")
 def pipeline(tiny_toy_root, tmp_path_factory):
-    """The README pipeline, run in a scratch working directory: that directory and each step's result."""
+    """The guide's pipeline, run in a scratch working directory: that directory and each step's result."""
     workdir = tmp_path_factory.mktemp("pipeline")
     results = []
     cwd = Path.cwd()
-    os.chdir(workdir)  # the README's relative run directories land here
+    os.chdir(workdir)  # the guide's relative run directories land here
     try:
         for command in readme_pipeline():
             words = shlex.split(command)
