@@ -1,4 +1,5 @@
-"""Shared fixtures: a tiny toy dataset (12 trainval + 6 test images) for the training and tool tests."""
+"""Shared fixtures: a tiny toy dataset (12 trainval + 6 test images) for the training and tool tests. The
+config schemas are registered with Hydra's ConfigStore before any test composes a config."""
 
 from __future__ import annotations
 
@@ -7,6 +8,7 @@ from pathlib import Path
 import pytest
 from tiny_run import TINY_TOY
 
+import wsod.config_schema  # noqa: F401  (registers the configs' schemas)
 from wsod.data.toy import ensure_toy_dataset
 
 

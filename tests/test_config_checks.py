@@ -48,6 +48,12 @@ def _config(overrides: list[str], name: str = "train"):
         return compose(config_name=name, overrides=overrides)
 
 
+@functools.cache
+def _composed(name: str, overrides: tuple[str, ...]):
+    """``_config`` once per (name, overrides): the coverage tests below read each composed config twice."""
+    return _config(list(overrides), name)
+
+
 def _options(group: str) -> list[str]:
     return sorted(p.stem for p in (CONFIGS / group).glob("*.yaml"))
 
@@ -69,7 +75,7 @@ COMPOSED = (
 
 @functools.cache
 def _keys(name: str, overrides: tuple[str, ...]) -> frozenset[str]:
-    return frozenset(flatten(_config(list(overrides), name)))
+    return frozenset(flatten(_composed(name, overrides)))
 
 
 def _untyped_keys(node, prefix: str = "") -> list[str]:
@@ -92,7 +98,7 @@ def _untyped_keys(node, prefix: str = "") -> list[str]:
 @pytest.mark.parametrize(("name", "overrides"), COMPOSED, ids=[f"{n} {' '.join(o)}" for n, o in COMPOSED])
 def test_every_key_of_a_composed_config_is_declared_in_a_schema(name, overrides):
     # Its type, default and choices come from wsod/config_schema.py; the method's keys from its class.
-    untyped = _untyped_keys(_config(overrides, name))
+    untyped = _untyped_keys(_composed(name, tuple(overrides)))
     assert not untyped, (
         f"configs/{name}.yaml with {overrides or 'its defaults'}: {', '.join(untyped)} not declared in a"
         " schema (wsod/config_schema.py): declare it there, with its type and default"

@@ -30,9 +30,12 @@ and data, the ImageNet ResNet C4 for the model. Hydra converts command-line valu
 and refuses what does not fit (``solver.lr=abc``, ``solver.optimizer=adam``) naming the key; bounds and
 rules between keys are ``wsod.config_checks``'s.
 
-Importing this module registers the schemas (``wsod/__init__`` does, so every entry point and test has
-them before Hydra composes a config). Choices are ``str`` Enums: ``cfg.solver.optimizer == "sgd"``
-holds, and ``OmegaConf.to_container(cfg, enum_to_str=True)`` (``plain``) gives plain strings for files.
+Importing this module registers the schemas; ``wsod.config_checks`` imports it, and so every entry point
+(``wsod.runs``) and ``tests/conftest.py`` have them before Hydra composes a config. Composing wsod's configs
+with Hydra's API in your own code: ``import wsod.config_schema`` first.
+
+Choices are ``str`` Enums: ``cfg.solver.optimizer == "sgd"`` holds, and ``plain(cfg)``
+(``OmegaConf.to_container(cfg, enum_to_str=True)``) gives plain strings for files and checkpoints.
 """
 
 from __future__ import annotations
