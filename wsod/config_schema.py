@@ -49,6 +49,7 @@ from omegaconf import MISSING, DictConfig, OmegaConf
 
 from wsod.data.folder import SPLIT_SEED, TEST_FRACTION
 from wsod.data.proposals.selective_search import MODES as SELECTIVE_SEARCH_MODES
+from wsod.data.transforms import TRAIN_SCALES
 from wsod.engine.amp import AMP_DTYPES
 from wsod.engine.balancing import BALANCE_CHOICES
 from wsod.evaluation import METRICS
@@ -132,9 +133,7 @@ class TrainData:
     """``data.train``: the training sets and their random augmentation."""
 
     sets: list[Any] = MISSING  # the format's sets (its schema's ``sets`` type), concatenated
-    scales: list[int] = field(
-        default_factory=lambda: [480, 576, 688, 864, 1000, 1200]
-    )  # shorter side, drawn per image
+    scales: list[int] = field(default_factory=lambda: list(TRAIN_SCALES))  # shorter side, drawn per image
     max_size: Optional[int] = 2000  # longer side cap
     flip: bool = True  # random horizontal flip
     lighting_std: float = 0.1  # PCA lighting noise std (reference INPUT.PCA, on by default: 0.1); 0: off
@@ -167,9 +166,8 @@ class ToySet:
 
 @dataclass
 class ToyTrainSet(ToySet):
-    partial_labels: Optional[str] = (
-        None  # a side file of points / scribbles / boxes (wsod.data.partial_labels)
-    )
+    # A side file of points / scribbles / boxes on some images (wsod.data.partial_labels).
+    partial_labels: Optional[str] = None
 
 
 @dataclass
@@ -262,9 +260,8 @@ class CocoData:
 
 @dataclass
 class FolderSet:
-    split: str = (
-        MISSING  # the labels.csv lines whose split column (or the seeded split) says so: train | test
-    )
+    # train | test: the labels.csv lines whose split column (or the seeded split) says so.
+    split: str = MISSING
 
 
 @dataclass
@@ -387,9 +384,8 @@ class GradNormSolver:
     method."""
 
     enabled: bool = False
-    alpha: float = (
-        1.5  # 0 equalises the losses' gradient norms at the ROI features; larger favours slower losses
-    )
+    # 0 equalises the losses' gradient norms at the ROI features; larger favours the slower losses.
+    alpha: float = 1.5
     lr: float = 0.01  # Adam learning rate of the loss weights
     min_weight: Optional[float] = 0.01  # floor of each weight; null: none (published)
     start_iter: int = 3000  # weights at 1 (a plain sum) until this step (~10% of max_iter)
@@ -419,9 +415,7 @@ class Detector:
     backbone: str = "resnet50"  # resnet18 | resnet34 | resnet50 | resnet101
     width: float = 1.0
     weights: Optional[str] = "IMAGENET1K_V1"  # torchvision weights name or a local .pth path; null: random
-    norm: DetectorNorm = (
-        DetectorNorm.frozen_bn
-    )  # frozen_bn (ImageNet weights) | bn (train mode, from scratch)
+    norm: DetectorNorm = DetectorNorm.frozen_bn  # frozen_bn (ImageNet weights) | bn (from scratch)
     freeze_at: int = 2  # 0: train all; 1: the stem; 2: stem and res2 (torchvision's trainable_layers=3)
     fpn_channels: int = 256
     anchor_sizes: list[int] = field(default_factory=lambda: [32, 64, 128, 256, 512])  # one per level P2..P6
