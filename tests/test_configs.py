@@ -8,6 +8,7 @@ import shlex
 from pathlib import Path
 
 import pytest
+from composed import composed
 from hydra import compose, initialize_config_dir
 from hydra.errors import ConfigCompositionException
 from omegaconf import OmegaConf
@@ -34,7 +35,7 @@ def _names(group: str) -> list[str]:
 def test_every_group_option_composes(group):
     assert _names(group), f"no configs in {group}/"
     for name in _names(group):
-        cfg = _compose("train", [f"{group}={name}"])
+        cfg = composed("train", (f"{group}={name}",))
         OmegaConf.to_container(cfg, resolve=True, throw_on_missing=False)
         assert {"data", "model", "method", "solver", "seed", "output_dir"} <= set(cfg)
 

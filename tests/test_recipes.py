@@ -15,10 +15,8 @@ from pathlib import Path
 
 import pytest
 import yaml
-from hydra import compose, initialize_config_dir
+from composed import composed
 from omegaconf import OmegaConf
-
-import wsod.config_schema  # noqa: F401  (registers the configs' schemas with Hydra's ConfigStore)
 
 ROOT = Path(__file__).resolve().parents[1]
 CONFIGS = ROOT / "configs"
@@ -51,10 +49,8 @@ def _leaves(node: dict, prefix: str, skip: tuple[str, ...] = ()) -> dict:
 def _recipe(config_name: str, override: str) -> dict:
     """The recipe of ``override`` (``experiment=<name>`` or ``stage2_experiment=<name>``) composed, as plain
     values (the schemas' enums as their names)."""
-    overrides = [override] + (["pseudo_labels=x"] if config_name == "stage2" else [])
-    with initialize_config_dir(config_dir=str(CONFIGS), version_base="1.3"):
-        cfg = compose(config_name=config_name, overrides=overrides)
-    return _recipe_of(OmegaConf.to_container(cfg, resolve=True, enum_to_str=True))
+    cfg = composed(config_name, (override,))  # stage 2's ??? pseudo_labels is not part of a recipe
+    return _recipe_of(OmegaConf.to_container(cfg, resolve=True, throw_on_missing=False, enum_to_str=True))
 
 
 def _recipe_of(cfg: dict) -> dict:

@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from hydra import compose, initialize_config_dir
+from composed import composed
 from omegaconf import OmegaConf
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -43,8 +43,7 @@ def _cases() -> list[tuple[str, str, list[str]]]:
 
 
 def _resolved(top: str, overrides: list[str]) -> dict[str, Any]:
-    with initialize_config_dir(config_dir=str(CONFIGS), version_base="1.3"):
-        cfg = compose(config_name=top, overrides=overrides)
+    cfg = composed(top, tuple(overrides))
     return OmegaConf.to_container(cfg, resolve=True, throw_on_missing=False, enum_to_str=True)
 
 
