@@ -84,6 +84,7 @@ __all__ = [
     "EvalRun",
     "ExportRun",
     "PredictRun",
+    "SCHEMAS",
     "plain",
     "register_schemas",
 ]
