@@ -97,9 +97,6 @@ def _choice(*options: Any) -> _Rule:
     )
 
 
-_FLAG = _Rule(lambda v: isinstance(v, bool), "true or false")
-
-
 def _path(example: str) -> _Rule:
     """A path given as a string (not the ``???`` of a required key left out)."""
     return _Rule(lambda v: isinstance(v, str) and v.strip() not in ("", "???"), f"a path, e.g. {example}")
@@ -131,7 +128,8 @@ _CLASSES_OR_EMPTY = _Rule(
     "a list of class names, e.g. [bottle,chair] (or [] for none)",
 )
 _SPLIT = _choice(*FOLDER_SPLITS)
-# A VOC year: "2007" in the configs, 2012 when Hydra parses a command-line override as a number.
+# A VOC year: a string in a composed config (its schema types it; Hydra converts 2012 to "2012"), a number
+# in a config given as plain values.
 _VOC_YEAR = _Rule(
     lambda v: (_is_int(v) and v > 0) or (isinstance(v, str) and v.strip().isdigit()), "a VOC year, e.g. 2007"
 )
@@ -362,7 +360,8 @@ def _show(value: Any) -> str:
 def check_config(cfg: DictConfig | Mapping[str, Any], rules: Mapping[str, _Rule] = TRAIN_RULES) -> None:
     """Raise ``ConfigError`` naming every key of ``cfg`` whose value ``rules`` refuse (and the training
     schedule's cross-key rules); return quietly when everything fits."""
-    flat = flatten(cfg)
+    values = plain(cfg) if isinstance(cfg, DictConfig) else dict(cfg)  # converted once
+    flat = flatten(values)
     problems = [
         f"{key}={_show(flat[key])}: expected {rule.expected}"
         for key, rule in rules.items()
@@ -384,17 +383,17 @@ def check_config(cfg: DictConfig | Mapping[str, Any], rules: Mapping[str, _Rule]
         problems += _auto_chunk_problems(flat)
         problems += _student_problems(flat)
         problems += _partial_label_problems(flat)
-        method, method_problems = _method_problems(cfg)
-        problems += method_problems + _gradnorm_problems(cfg, method)
+        method, method_problems = _method_problems(values.get("method"))
+        problems += method_problems + _gradnorm_problems(values, method)
     if problems:
         raise ConfigError("invalid configuration:\n  " + "\n  ".join(problems))
 
 
-def _method_problems(cfg: DictConfig | Mapping[str, Any]) -> tuple[Any, list[str]]:
+def _method_problems(method: Mapping[str, Any] | None) -> tuple[Any, list[str]]:
     """``(the method, [])`` when the method node builds (``name`` picks the class, the other keys but
     ``num_students`` are its keyword arguments, whose constructor checks their values), else
     ``(None, [the reason])``. A method that names its own settings checks them itself."""
-    options = dict(plain(cfg.get("method")) or {})
+    options = dict(method or {})
     if not options:
         return None, []
     options.pop("num_students", None)  # the detector's
@@ -409,11 +408,11 @@ def _method_problems(cfg: DictConfig | Mapping[str, Any]) -> tuple[Any, list[str
         return None, [f"method={name} ({method_class.__name__}) refuses its settings: {error}"]
 
 
-def _gradnorm_problems(cfg: DictConfig | Mapping[str, Any], method: Any) -> list[str]:
+def _gradnorm_problems(values: Mapping[str, Any], method: Any) -> list[str]:
     """GradNorm's settings (``solver.gradnorm``), checked by building its balancer for the detector's
-    losses (the MIL loss, then the method's) when it is on."""
-    settings = dict((plain(cfg.get("solver")) or {}).get("gradnorm") or {})
-    students = (plain(cfg.get("method")) or {}).get("num_students")
+    losses (the MIL loss, then the method's) when it is on. ``values``: the plain config."""
+    settings = dict((values.get("solver") or {}).get("gradnorm") or {})
+    students = (values.get("method") or {}).get("num_students")
     if not settings.pop("enabled", False) or method is None or not _is_int(students):
         return []
     settings.pop("follow_milestones", None)  # a schedule, not a constructor argument
