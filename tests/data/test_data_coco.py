@@ -88,7 +88,8 @@ def test_label_only_json_has_labels_and_no_ground_truth(tmp_path, jpeg, write_js
     assert "gt_boxes" not in item
     torch.testing.assert_close(item["labels"], torch.tensor([1.0, 0.0, 0.0]))
     batch = collate([dataset[0], dataset[1]])
-    assert [set(t) for t in batch["targets"]] == [{"labels"}, {"labels"}]  # image labels, nothing more
+    # Image labels, nothing more (and the ROIs' ids, which every batch has).
+    assert [set(t) for t in batch["targets"]] == [{"labels", "proposal_ids"}] * 2
     assert batch["image_ids"] == [42, 7]
 
 

@@ -52,15 +52,16 @@ def test_collate_pads_to_the_size_divisor_and_keeps_per_image_fields():
     assert batch["image_labels"].shape == (2, 2) and batch["image_labels"].dtype == torch.float32
     assert batch["image_sizes"] == [(40, 70), (65, 20)] and batch["original_sizes"] == [(80, 140), (130, 40)]
     assert batch["image_ids"] == ["a", "b"] and batch["flipped"] == [False, False]
-    # Items built without targets get their labels as targets; ground truth is not a batch field.
-    assert [set(t) for t in batch["targets"]] == [{"labels"}, {"labels"}] and "annotations" not in batch
+    # Items built without targets get their labels and ROI ids as targets; ground truth is not a batch field.
+    assert [set(t) for t in batch["targets"]] == [{"labels", "proposal_ids"}] * 2
+    assert "annotations" not in batch and batch["views"] == 1
     torch.testing.assert_close(batch["targets"][1]["labels"], batch["image_labels"][1])
     assert collate([_item(64, 32, "c")])["images"].shape == (1, 3, 64, 32)
 
 
 def test_model_inputs_are_exactly_the_detector_keyword_arguments():
     parameters = inspect.signature(WeaklySupervisedDetector.forward).parameters
-    options = {"self", "return_features", "return_loss_scales"}  # how to run, not data
+    options = {"self", "teacher_scores", "keep"}  # what the step adds (a teacher's scores, extras), not data
     assert set(MODEL_INPUT_KEYS) == set(parameters) - options
     batch = collate([_item(40, 70, "a")])
     inputs = model_inputs(batch, device="cpu")
@@ -149,7 +150,7 @@ def test_loader_batches_run_through_the_detector(tiny_toy):
     assert batch["image_labels"].shape == (2, len(tiny_toy.classes))
     torch.manual_seed(0)
     model = build_detector("resnet18", num_classes=len(tiny_toy.classes), chunk_size=None, width=0.25)
-    losses = model.train()(**model_inputs(batch))
+    losses = model.train()(**model_inputs(batch)).losses
     assert torch.isfinite(sum(losses.values()))
     detections = model.eval()(**model_inputs(batch))
     for result, (height, width) in zip(detections, batch["original_sizes"], strict=True):

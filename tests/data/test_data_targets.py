@@ -39,7 +39,7 @@ def test_points_on_a_record_come_out_of_the_loader_resized_and_flipped(tmp_path,
     transform = train_transform(scales=(90,), max_size=1000, flip_prob=1.0)
     batch = collate([_dataset(tmp_path, jpeg, write_pickle, supervision, transform)[0]])
     (targets,) = batch["targets"]
-    assert set(targets) == {"labels", "points", "point_labels"} and batch["flipped"] == [True]
+    assert set(targets) == {"labels", "points", "point_labels", "proposal_ids"} and batch["flipped"] == [True]
     # (10, 20) -> (15, 30) -> (150 - 15, 30); (30, 5) -> (45, 7.5) -> (150 - 45, 7.5).
     torch.testing.assert_close(targets["points"], torch.tensor([[135.0, 30.0], [105.0, 7.5]]), rtol=0, atol=0)
     assert type(targets["points"]) is torch.Tensor and targets["points"].dtype == torch.float32
@@ -89,7 +89,7 @@ def test_an_image_without_supervision_has_targets_with_labels_only(tmp_path, jpe
         dataset = _dataset(tmp_path, jpeg, write_pickle, supervision, train_transform((90,), 1000))
         item = dataset[0]
         assert set(item["targets"]) == {"labels"} and "labels" in item  # other code reads item["labels"]
-        assert set(collate([item])["targets"][0]) == {"labels"}
+        assert set(collate([item])["targets"][0]) == {"labels", "proposal_ids"}  # ids: the loader's
     untransformed = _dataset(tmp_path, jpeg, write_pickle, None, None)[0]
     torch.testing.assert_close(untransformed["targets"]["labels"], untransformed["labels"])
 

@@ -1,23 +1,34 @@
 """Batching: padding, aspect-ratio grouping, distributed sampling, and the detector's inputs.
 
-A collated batch (``collate``) is a dict:
+A collated batch (``collate``) is a dict, N = B * V rows (B images, V views of each; V = 1 for
+plain items):
 
-    images          float32 (B, 3, Hp, Wp), zero-padded (zero = the mean colour after normalisation) at
+    images          float32 (N, 3, Hp, Wp), zero-padded (zero = the mean colour after normalisation) at
                     the bottom and right to multiples of ``size_divisor``
-    proposals       list of B float32 (R_i, 4) in resized pixels
-    image_labels    float32 (B, C) multi-hot
-    image_sizes     list of B (h, w) resized, unpadded
-    original_sizes  list of B (H, W) on disk
-    targets         list of B dicts, each image's supervision (``wsod.data.targets``): "labels" (C,)
+    proposals       list of N float32 (R_i, 4) in resized pixels
+    image_labels    float32 (N, C) multi-hot
+    image_sizes     list of N (h, w) resized, unpadded
+    original_sizes  list of N (H, W) on disk
+    targets         list of N dicts, each image's supervision (``wsod.data.targets``): "labels" (C,)
                     float32 (its row of image_labels) and any geometric fields as plain tensors in resized
                     (and flipped) pixels, e.g. "points" (P, 2) with "point_labels" (P,) int64; an item
-                    without targets (built by hand) gets {"labels": its labels}
-    image_ids       list of B ids
-    flipped         list of B bools
+                    without targets (built by hand) gets {"labels": its labels}; and "proposal_ids"
+                    (R_i,) int64, each proposal's index in the image's proposal list as the dataset gave
+                    it (the item's, ``wsod.data.transforms``; ``arange(R_i)`` for an item without them)
+    image_ids       list of N ids
+    flipped         list of N bools
+    views           V, an int
 
-``MODEL_INPUT_KEYS`` (the first six) are exactly the keyword arguments of
-``WeaklySupervisedDetector.forward``: ``model(**model_inputs(batch))``. Ground-truth boxes for evaluation
-are not in a batch: evaluation reads them from the dataset (``WeakDetectionDataset.ground_truth``).
+The views axis (``data.train.views``, ``wsod.data.transforms.MultiViewTransform``): each item is a list
+of V views of one image, and the views are flattened image-major, so row ``i * V + v`` of every list
+and tensor above is view v of image i (its image id repeated V times). ``split_views(batch[key],
+batch["views"])`` gives them back per image: ``[i][v]`` for a list, (B, V, ...) for a tensor. ROI j of
+view v and ROI k of view w of one image are the same proposal iff their ``proposal_ids`` are equal (ROI
+sampling keeps a different subset per view). With V = 1 the layout is the plain one: row i is image i.
+
+``MODEL_INPUT_KEYS`` (the first six, and ``views``) are the keyword arguments of a detector's training
+forward (``wsod.modeling.protocol.Detector``): ``model(**model_inputs(batch))``. Ground-truth boxes for
+evaluation are not in a batch: evaluation reads them from the dataset (``WeakDetectionDataset.ground_truth``).
 
 Sampling: every loader draws indices from a ``DistributedSampler`` (with one replica when not
 distributed), so an epoch's order is a function of ``seed`` and the epoch number on every rank, and
@@ -31,16 +42,19 @@ from __future__ import annotations
 import itertools
 import math
 import signal
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
+from typing import TypeVar
 
 import torch
 import torch.distributed as dist
+from torch import Tensor
 from torch.utils.data import DataLoader, Dataset, Sampler
 from torch.utils.data.distributed import DistributedSampler
 
 __all__ = [
     "MODEL_INPUT_KEYS",
     "collate",
+    "split_views",
     "model_inputs",
     "aspect_ratio_groups",
     "GroupedBatchSampler",
@@ -50,12 +64,24 @@ __all__ = [
     "ignore_interrupts_in_worker",
 ]
 
-MODEL_INPUT_KEYS = ("images", "proposals", "image_labels", "image_sizes", "original_sizes", "targets")
+MODEL_INPUT_KEYS = (
+    "images",
+    "proposals",
+    "image_labels",
+    "image_sizes",
+    "original_sizes",
+    "targets",
+    "views",
+)
 SIZE_DIVISOR = 32
 
+T = TypeVar("T")
 
-def collate(items: Sequence[dict], size_divisor: int = SIZE_DIVISOR) -> dict:
-    """Transformed dataset items -> the batch dict of the module docstring."""
+
+def collate(items: Sequence[dict] | Sequence[Sequence[dict]], size_divisor: int = SIZE_DIVISOR) -> dict:
+    """Transformed dataset items -> the batch dict of the module docstring. ``items``: B item dicts, or
+    B lists of V view dicts each (``MultiViewTransform``), flattened image-major."""
+    items, views = _flatten_views(items)
     sizes = [tuple(item["image"].shape[-2:]) for item in items]
     padded_h = math.ceil(max(h for h, _ in sizes) / size_divisor) * size_divisor
     padded_w = math.ceil(max(w for _, w in sizes) / size_divisor) * size_divisor
@@ -68,17 +94,54 @@ def collate(items: Sequence[dict], size_divisor: int = SIZE_DIVISOR) -> dict:
         "image_labels": torch.stack([item["labels"] for item in items]),
         "image_sizes": [tuple(item["image_size"]) for item in items],
         "original_sizes": [tuple(item["original_size"]) for item in items],
-        "targets": [item.get("targets", {"labels": item["labels"]}) for item in items],
+        "targets": [_targets(item) for item in items],
         "image_ids": [item["image_id"] for item in items],
         "flipped": [item["flipped"] for item in items],
+        "views": views,
     }
+
+
+def _flatten_views(items: Sequence[dict] | Sequence[Sequence[dict]]) -> tuple[list[dict], int]:
+    """B items, or B lists of V views -> the B * V view dicts image-major, and V (1 for plain items)."""
+    if not items:
+        raise ValueError("collate needs at least one item")
+    if all(isinstance(item, Mapping) for item in items):
+        return list(items), 1
+    if any(isinstance(item, Mapping) for item in items):
+        raise TypeError("collate got item dicts mixed with lists of views; give B items or B view lists")
+    counts = sorted({len(views) for views in items})
+    if counts[0] < 1 or len(counts) > 1:
+        raise ValueError(f"every item needs the same number (>= 1) of views to collate, got {counts}")
+    return [view for views in items for view in views], counts[0]
+
+
+def _targets(item: dict) -> dict:
+    """The item's targets (its labels alone when it has none) with its ``proposal_ids`` (``arange(R)``
+    when it has none): a new dict, so the item is left as it was."""
+    targets = item.get("targets", {"labels": item["labels"]})
+    ids = item.get("proposal_ids")
+    return {**targets, "proposal_ids": torch.arange(len(item["proposals"])) if ids is None else ids}
+
+
+def split_views(value: Sequence[T] | Tensor, views: int) -> list[list[T]] | Tensor:
+    """A batch entry of N = B * V rows (image-major, the module docstring) per image: a list of B lists
+    of V (``[i][v]`` is view v of image i), or for a tensor (B * V, ...) its (B, V, ...) view (no copy).
+    ``views``: ``batch["views"]``."""
+    if isinstance(views, bool) or not isinstance(views, int) or views < 1:
+        raise ValueError(f"views must be an integer >= 1 (batch['views']), got {views!r}")
+    if len(value) % views:
+        raise ValueError(f"{len(value)} rows do not split into views of {views}; pass the batch's own views")
+    if isinstance(value, Tensor):
+        return value.reshape(len(value) // views, views, *value.shape[1:])
+    return [list(value[i : i + views]) for i in range(0, len(value), views)]
 
 
 def model_inputs(batch: dict, device: torch.device | str | None = None) -> dict:
     """The detector's keyword arguments from a batch, moved to ``device`` when given. ``image_labels`` is
     None: the targets carry the same labels, and the detector stacks them (passing both would move them
     twice and make the detector compare them, a device sync, every step)."""
-    inputs = {key: batch[key] for key in MODEL_INPUT_KEYS}
+    inputs = {key: batch[key] for key in MODEL_INPUT_KEYS if key != "views"}
+    inputs["views"] = batch.get("views", 1)  # a batch collated before views existed has one
     inputs["image_labels"] = None
     if device is not None:
         inputs["images"] = inputs["images"].to(device, non_blocking=True)

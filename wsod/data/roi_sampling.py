@@ -6,7 +6,9 @@ them positive (holding a point or covering a scribble). Sampling the item's prop
 geometric transform is the same (the proposals reach nothing but the pooling) and draws from the item's
 seeded random stream (``WeakDetectionDataset``), so a resumed run samples the same ROIs. The rule itself
 is ``wsod.modeling.partial_labels.sample_training_rois``; images without points or scribbles pass
-unchanged and draw nothing.
+unchanged and draw nothing. The kept proposals keep their ``proposal_ids`` (``DetectionTransform``), so
+a method can still tell which ROI of the dataset's list each one is, and match ROIs across views (each
+view samples its own).
 """
 
 from __future__ import annotations
@@ -17,8 +19,9 @@ __all__ = ["PartialLabelRoiSampler"]
 
 
 class PartialLabelRoiSampler:
-    """Item -> item with the proposals of an image with points or scribbles sampled (module docstring).
-    Runs after ``DetectionTransform``: proposals and targets in the same (resized, flipped) pixels."""
+    """Item -> item with the proposals of an image with points or scribbles sampled (module docstring),
+    their ``proposal_ids`` sampled alike. Runs after ``DetectionTransform``: proposals and targets in the
+    same (resized, flipped) pixels. The input item is left as it was (``MultiViewTransform`` needs it)."""
 
     def __init__(self, rois_per_image: int = 1024, positive_fraction: float = 0.25) -> None:
         if rois_per_image < 1:
@@ -34,7 +37,10 @@ class PartialLabelRoiSampler:
         kept = sample_training_rois(item["proposals"], targets, self.rois_per_image, self.positive_fraction)
         if kept is None:
             return item
-        return {**item, "proposals": item["proposals"][kept]}
+        out = {**item, "proposals": item["proposals"][kept]}
+        if item.get("proposal_ids") is not None:
+            out["proposal_ids"] = item["proposal_ids"][kept]
+        return out
 
     def __repr__(self) -> str:
         return (

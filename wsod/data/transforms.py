@@ -32,11 +32,19 @@ Item keys added or replaced (the rest pass through; ``gt_*`` stay in original pi
     image_size  (h, w) of the resized, unpadded image
     flipped     bool
     scale       h / H, the resize factor (the width factor differs only by rounding)
+    proposal_ids int64 (R,), each proposal's index in the image's proposal list as the dataset gave it:
+                ``arange(R)`` when the item has none, else the item's own, passed through (a later step
+                that drops proposals, ``PartialLabelRoiSampler``, drops their ids with them)
+
+Several views of one image (``MultiViewTransform``, ``data.train.views``): the random transform called
+once per view on the same untransformed item, so each view draws its own scale, flip and lighting, in
+turn, from the item's seeded stream (``WeakDetectionDataset`` seeds it once per item: a resumed run draws
+the same views). ``proposal_ids`` says which ROI of one view is which ROI of another.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 from torch import Tensor
@@ -53,6 +61,7 @@ __all__ = [
     "IMAGENET_PCA_EIGVEC",
     "Lighting",
     "DetectionTransform",
+    "MultiViewTransform",
     "horizontal_flip",
     "train_transform",
     "test_transform",
@@ -180,6 +189,13 @@ class DetectionTransform:
         )
         if targets is not None:
             out["targets"] = plain_targets({**targets, **geometry})
+        ids = item.get("proposal_ids")
+        if ids is not None and len(ids) != len(proposals):
+            raise ValueError(
+                f"item {item.get('image_id')!r}: proposal_ids has {len(ids)} values for {len(proposals)}"
+                " proposals; give one id per proposal, or none (ids 0..R-1 are made)"
+            )
+        out["proposal_ids"] = torch.arange(len(proposals)) if ids is None else ids
         return out
 
     def __repr__(self) -> str:
@@ -188,6 +204,29 @@ class DetectionTransform:
             f"{name}(scales={self.scales}, max_size={self.max_size}, flip_prob={self.flip_prob},"
             f" lighting_std={self.lighting_std})"
         )
+
+
+class MultiViewTransform:
+    """Item -> list of ``views`` items, each ``transform`` applied to the same untransformed item (the
+    module docstring). ``transform`` must leave its input as it was (``DetectionTransform`` does, and so
+    does ``PartialLabelRoiSampler`` after it): every view starts from the item the dataset loaded.
+
+    The views are drawn in order from torch's global generator, which ``WeakDetectionDataset`` seeds
+    once per ``(index, seed)`` item, so view v of an item is the same in every run. ``collate`` stacks
+    the lists image-major (``wsod.data.loader``); training wraps its transform only when
+    ``data.train.views`` > 1, so one view stays a plain dict item.
+    """
+
+    def __init__(self, transform: Callable[[dict], dict], views: int) -> None:
+        if isinstance(views, bool) or not isinstance(views, int) or views < 1:
+            raise ValueError(f"views must be an integer >= 1 (data.train.views), got {views!r}")
+        self.transform, self.views = transform, views
+
+    def __call__(self, item: dict) -> list[dict]:
+        return [self.transform(item) for _ in range(self.views)]
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}({self.transform!r}, views={self.views})"
 
 
 def horizontal_flip(value: Tensor) -> Tensor:
