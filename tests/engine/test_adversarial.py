@@ -50,7 +50,7 @@ def test_the_update_ascends_the_detector_loss_with_the_dropblock_parameters_alon
 
     # The loss's gradient for the DropBlock parameters at the samples the step will draw.
     torch.manual_seed(7)
-    loss = sum(model(**inputs).values())
+    loss = sum(model(**inputs).losses.values())
     params = list(model.dropblock.parameters())
     gradient = torch.autograd.grad(loss, params, allow_unused=True)
     model.zero_grad(set_to_none=True)
@@ -100,7 +100,7 @@ def _distributed_worker(rank: int, world: int, folder: str, single_pass: bool) -
         if single_pass:
             # The detector's backward without DDP: each process's DropBlock gradient is its own, so
             # only the adversary's averaging can make the update the same everywhere.
-            sum(model(**_inputs(counts, labels)).values()).backward()
+            sum(model(**_inputs(counts, labels)).losses.values()).backward()
             assert adversary.step_from_detector_gradients()
         else:
             adversary.step([_inputs(counts, labels)])
@@ -134,7 +134,7 @@ def test_one_chunk_with_dropblock_equals_plain_autograd_in_float64(fuse_pooling)
             fuse_pooling=fuse_pooling,
         ).double()
         torch.manual_seed(5)
-        losses = model(*batch)
+        losses = model(*batch).losses
         sum(losses.values()).backward()
         grads.append(
             (
@@ -180,7 +180,7 @@ def test_single_pass_gives_the_scorer_the_negated_scaled_gradient_of_the_first_f
         inputs["proposals"] = [boxes.double() for boxes in inputs["proposals"]]
         torch.manual_seed(7)
         if mode == "reference":  # plain autograd of the detector's total loss
-            loss = sum(model(**inputs).values())
+            loss = sum(model(**inputs).losses.values())
             grads = torch.autograd.grad(loss, params, allow_unused=True)
             steps[mode] = [
                 0.01 * (torch.zeros_like(p) if g is None else g) for p, g in zip(params, grads, strict=True)
@@ -198,7 +198,9 @@ def test_single_pass_gives_the_scorer_the_negated_scaled_gradient_of_the_first_f
         )
         assert adversary.needs_inputs == (mode == "two")
         if mode == "single":
-            sum(model(**inputs).values()).backward()  # the training loop's backward of the detector's loss
+            sum(
+                model(**inputs).losses.values()
+            ).backward()  # the training loop's backward of the detector's loss
             assert adversary.after_step([]) == {}
         else:
             assert "adversarial_loss" in adversary.after_step([inputs])
@@ -216,7 +218,7 @@ def test_single_pass_drops_the_detectors_gradients_on_a_skipped_step_and_refuses
     adversary = DropBlockAdversary(
         model, optimizer, build_scheduler(optimizer, milestones=[]), single_pass=True
     )
-    sum(model(**_inputs()).values()).backward()
+    sum(model(**_inputs()).losses.values()).backward()
     params = list(model.dropblock.parameters())
     before = [p.detach().clone() for p in params]
     adversary.skip()

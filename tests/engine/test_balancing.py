@@ -4,6 +4,7 @@ neck run no more often than without it, and its state carried through checkpoint
 from __future__ import annotations
 
 import copy
+import re
 import sys
 from pathlib import Path
 
@@ -14,6 +15,7 @@ import torch.multiprocessing as mp
 
 from wsod.engine.balancing import LossBalancer
 from wsod.modeling import build_detector
+from wsod.modeling.protocol import TRAINING_EXTRAS
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "modeling"))
 from test_detector import _batch  # noqa: E402
@@ -27,7 +29,9 @@ def _detector():
 
 
 def _losses(model, counts=(13, 6), labels=((1, 0, 1), (0, 1, 0))):
-    return model(*_batch(counts=counts, labels=labels), return_features=True)
+    output = model(*_batch(counts=counts, labels=labels), keep=("roi_features",))
+    assert output.loss_scales is None  # not asked for
+    return output.losses, output.roi_features
 
 
 def test_weight_gradients_are_averaged_over_accumulated_batches():
@@ -140,14 +144,14 @@ def test_balance_students_keeps_the_mil_loss_at_weight_1():
 def test_normalized_rates_read_each_loss_over_its_pseudo_label_weight():
     model = _detector()
     balancer = LossBalancer(NUM_LOSSES, normalize_rates=True, balance="all")
-    assert balancer.needs_loss_scales
+    assert balancer.normalize_rates and balancer.keep == {"roi_features", "loss_scales"}
+    assert LossBalancer(NUM_LOSSES).keep == {"roi_features"}  # plain rates read no scales
     rate_values = []
     for counts in COUNTS[:2]:
-        losses, features, scales = model(
-            *_batch(counts=counts), return_features=True, return_loss_scales=True
-        )
+        output = model(*_batch(counts=counts), keep=balancer.keep)
+        losses, scales = output.losses, output.loss_scales
         assert list(scales) == list(losses) and scales["loss_mil"].item() == 1.0
-        balancer.weighted_total(losses, features, scales)
+        balancer.combine(output)  # what the training step calls: weighted_total of the output's fields
         rate_values.append(torch.stack([losses[n].detach() / scales[n] for n in losses]))
         balancer.after_step([])
     torch.testing.assert_close(balancer.gradnorm.initial_losses, rate_values[0])
@@ -156,7 +160,8 @@ def test_normalized_rates_read_each_loss_over_its_pseudo_label_weight():
     with pytest.raises(ValueError, match="scales"):
         balancer.weighted_total(*_losses(model))
     # A box loss without foreground (0, its scale 0) reads as rate 0, not NaN: the weights stay finite.
-    losses, features, scales = model(*_batch(counts=COUNTS[2]), return_features=True, return_loss_scales=True)
+    output = model(*_batch(counts=COUNTS[2]), keep=("roi_features", "loss_scales"))
+    losses, features, scales = output.losses, output.roi_features, output.loss_scales
     losses["loss_ref_box_2"], scales["loss_ref_box_2"] = losses["loss_ref_box_2"] * 0, torch.tensor(0.0)
     balancer.weighted_total(losses, features, scales)
     balancer.after_step([])
@@ -193,7 +198,14 @@ def test_the_weights_learning_rate_follows_the_milestones_and_resume_restores_ev
         assert resumed_rows == rows[stop:]
 
 
-def test_loss_scales_come_only_with_the_features():
+def test_keep_asks_only_for_the_training_extras_and_the_loss_scales_come_without_the_features():
     model = _detector()
-    with pytest.raises(ValueError, match="return_loss_scales needs return_features"):
-        model(*_batch(counts=COUNTS[0]), return_loss_scales=True)
+    with pytest.raises(ValueError, match=f"roi_feature.*unknown.*{re.escape(str(TRAINING_EXTRAS))}"):
+        model(*_batch(counts=COUNTS[0]), keep=("roi_feature",))
+    output = model(*_batch(counts=COUNTS[0]), keep=("loss_scales",))
+    assert output.roi_features is None
+    assert list(output.loss_scales) == list(output.losses) == list(model.loss_names)
+    assert output.loss_scales["loss_mil"].item() == 1.0
+    assert all(not v.requires_grad and v.dim() == 0 for v in output.loss_scales.values())
+    plain = model(*_batch(counts=COUNTS[0]))  # keeps nothing by default
+    assert plain.roi_features is None and plain.loss_scales is None

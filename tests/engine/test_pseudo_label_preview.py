@@ -27,6 +27,7 @@ from wsod.engine.train import train
 from wsod.engine.visualize import GROUND_TRUTH_COLOUR, PALETTE
 from wsod.modeling import PseudoLabels, build_detector
 from wsod.modeling.detector import METHODS
+from wsod.modeling.protocol import TrainingOutput
 from wsod.modeling.refinement import MISTMethod
 from wsod.runs.train import train_from_config
 
@@ -153,10 +154,12 @@ class _Poisoned(nn.Module):
         self.detector, self.poisoned, self.calls = detector, poisoned, 0
         self.method = detector.method
 
-    def forward(self, **inputs) -> dict[str, Tensor]:
+    def forward(self, **inputs) -> TrainingOutput:
         self.calls += 1
-        losses = self.detector(**inputs)
-        return {k: v * float("nan") for k, v in losses.items()} if self.calls in self.poisoned else losses
+        output = self.detector(**inputs)
+        if self.calls in self.poisoned:
+            output.losses = {k: v * float("nan") for k, v in output.losses.items()}
+        return output
 
     def pseudo_labels(self, *args) -> list[list[PseudoLabels]]:
         return self.detector.pseudo_labels(*args)

@@ -21,6 +21,7 @@ from wsod.engine.companion import Companion
 from wsod.engine.run_log import RunLog
 from wsod.engine.solver import build_optimizer, build_scheduler
 from wsod.engine.train import NonFiniteLossError, train
+from wsod.modeling.protocol import TrainingOutput
 
 
 class _Tiny(nn.Module):
@@ -33,10 +34,12 @@ class _Tiny(nn.Module):
         self.fc = nn.Linear(3, 1)
         self.poisoned, self.calls, self.scale = set(poisoned), 0, scale
 
-    def forward(self, images, proposals, image_labels, image_sizes, original_sizes, targets):
+    def forward(
+        self, images, proposals, image_labels, image_sizes, original_sizes, targets, views=1, keep=()
+    ):
         self.calls += 1
         loss = self.scale * self.fc(self.norm(images.flatten(1)[:, :3])).pow(2).mean()
-        return {"loss_a": loss * float("nan") if self.calls in self.poisoned else loss}
+        return TrainingOutput({"loss_a": loss * float("nan") if self.calls in self.poisoned else loss})
 
 
 def _batches(start):
@@ -125,7 +128,9 @@ class _OverflowingStatistics(nn.Module):
         self.norm, self.fc = nn.BatchNorm1d(3), nn.Linear(3, 1)
         self.overflowing, self.calls = set(overflowing), 0
 
-    def forward(self, images, proposals, image_labels, image_sizes, original_sizes, targets):
+    def forward(
+        self, images, proposals, image_labels, image_sizes, original_sizes, targets, views=1, keep=()
+    ):
         self.calls += 1
         features = self.norm(images.flatten(1)[:, :3])
         if self.calls in self.overflowing:
@@ -133,7 +138,7 @@ class _OverflowingStatistics(nn.Module):
             # for a backward that does not read it in training mode, and autograd would refuse a
             # visible in-place change of a saved tensor.
             self.norm.running_var.data[0] = math.inf
-        return {"loss_a": self.fc(features).pow(2).mean()}
+        return TrainingOutput({"loss_a": self.fc(features).pow(2).mean()})
 
 
 def test_steps_that_overflow_batchnorm_statistics_with_a_finite_loss_are_skipped(tmp_path, caplog):
@@ -246,17 +251,21 @@ class _Halving(Companion):
 
     name = "halving"
     combines_losses = True
+    keep = frozenset({"roi_features"})
 
-    def combine(self, losses, roi_features):
-        assert roi_features.requires_grad
-        return sum(losses.values()) / 2
+    def combine(self, output):
+        assert output.roi_features.requires_grad
+        return sum(output.losses.values()) / 2
 
 
 class _TinyWithFeatures(_Tiny):
-    def forward(self, images, proposals, image_labels, image_sizes, original_sizes, targets, **options):
-        losses = super().forward(images, proposals, image_labels, image_sizes, original_sizes, targets)
-        features = self.fc.weight * 1.0
-        return (losses, features) if options.get("return_features") else losses
+    def forward(
+        self, images, proposals, image_labels, image_sizes, original_sizes, targets, views=1, keep=()
+    ):
+        output = super().forward(images, proposals, image_labels, image_sizes, original_sizes, targets, views)
+        if "roi_features" in keep:
+            output.roi_features = self.fc.weight * 1.0
+        return output
 
 
 def test_companions_are_called_at_fixed_points_of_each_step_and_checkpointed_by_name(tmp_path):
@@ -355,19 +364,23 @@ class _WithFeatures(nn.Module):
         self.weight = nn.Parameter(torch.ones(3))
 
     def forward(
-        self, images, proposals, image_labels, image_sizes, original_sizes, targets, return_features=False
+        self, images, proposals, image_labels, image_sizes, original_sizes, targets, views=1, keep=()
     ):
         features = AliveProbe.track(self.weight * images.flatten(1)[:, :3])
         losses = {"loss_a": features.sum()}
-        return (losses, features) if return_features else losses
+        return TrainingOutput(losses, roi_features=features if "roi_features" in keep else None)
 
 
 class _Combiner(Companion):
     name = "combiner"
     combines_losses = True
+    keep = frozenset({"roi_features"})
 
-    def combine(self, losses, roi_features):
-        (grad,) = torch.autograd.grad(losses["loss_a"], roi_features, retain_graph=True, create_graph=True)
+    def combine(self, output):
+        losses = output.losses
+        (grad,) = torch.autograd.grad(
+            losses["loss_a"], output.roi_features, retain_graph=True, create_graph=True
+        )
         return sum(losses.values()) + 0 * grad.sum()
 
 
@@ -375,7 +388,7 @@ class _Combiner(Companion):
 def test_the_roi_features_are_not_held_through_the_backward(combined):
     # Held by the loop, the (R, D) features of a real detector stay alive at the neck's backward peak
     # (kilobytes per ROI: the fused slope of tools/benchmark_rois.py doubled when they were).
-    from wsod.engine.train import _forward_backward
+    from wsod.engine.step import _forward_backward
 
     model = _WithFeatures()
     batch = {"images": torch.ones(2, 3, 4, 4), "proposals": [torch.zeros(1, 4)] * 2, "image_labels": None,

@@ -50,7 +50,7 @@ def _tiny(chunk_size, backbone="resnet18", **options):
 
 def _step(model, batch):
     model.zero_grad(set_to_none=True)
-    losses = model(*batch)
+    losses = model(*batch).losses
     sum(losses.values()).backward()
     grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
     return {k: v.detach() for k, v in losses.items()}, grads
@@ -78,7 +78,7 @@ def _saved_bytes_of_a_step(model, batch) -> int:
         return t
 
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        losses = model(*batch)
+        losses = model(*batch).losses
     sum(losses.values()).backward()
     return sum(saved.values())
 

@@ -37,7 +37,7 @@ def _tiny(chunk_size, fuse_pooling=True, backbone="resnet18", **kw) -> WeaklySup
 
 def _losses_and_grads(model, batch):
     model.zero_grad(set_to_none=True)
-    losses = model(*batch)
+    losses = model(*batch).losses
     sum(losses.values()).backward()
     grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.requires_grad}
     return {k: v.detach() for k, v in losses.items()}, grads
@@ -86,7 +86,7 @@ def test_sequential_backprop_gives_the_same_losses_and_gradients(backbone, fuse_
 def test_degenerate_batches_give_finite_losses_and_gradients(counts, labels):
     model = _tiny(4)
     model.train()
-    losses = model(*_batch(counts=counts, labels=labels))
+    losses = model(*_batch(counts=counts, labels=labels)).losses
     assert all(torch.isfinite(v) for v in losses.values())
     sum(losses.values()).backward()
     for name, p in model.named_parameters():
@@ -105,12 +105,12 @@ def test_frozen_stages_get_no_gradient_and_the_rest_do():
 
 def test_train_mode_batchnorm_in_the_neck_is_refused_but_allowed_in_the_base():
     model = _tiny(4, norm="bn", neck_norm="gn", freeze_at=0)
-    losses = model(*_batch())
+    losses = model(*_batch()).losses
     sum(losses.values()).backward()
     bad = _tiny(4, norm="bn")
     with pytest.raises(ValueError, match="train-mode BatchNorm"):
         bad(*_batch())
-    assert _tiny(None, norm="bn")(*_batch())["loss_mil"].isfinite()  # plain autograd: allowed
+    assert _tiny(None, norm="bn")(*_batch()).losses["loss_mil"].isfinite()  # plain autograd: allowed
 
 
 def test_training_without_labels_is_an_error():
@@ -168,7 +168,7 @@ def test_one_training_step_on_images_without_a_positive_class(labels):
     model = _tiny(4)
     optimizer = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=0.1)
     before = {n: p.detach().clone() for n, p in model.named_parameters()}
-    losses = model(*_batch(counts=counts, labels=labels))
+    losses = model(*_batch(counts=counts, labels=labels)).losses
     assert all(torch.isfinite(v) for v in losses.values())
     student_losses = {k: v for k, v in losses.items() if k.startswith("loss_ref")}
     if not any(any(row) for row in labels):
@@ -305,14 +305,14 @@ def test_each_images_targets_reach_the_method_unchanged_and_name_the_losses():
     points = {"hint_points": torch.tensor([[5.0, 6.0]]), "hint_labels": torch.tensor([0])}
     targets = [{"labels": row, **points} for row in labels]
     model = _tiny(4, method=RecordingMIST())
-    from_targets = model(images, proposals, targets=targets)
+    from_targets = model(images, proposals, targets=targets).losses
     assert [(k, id(t)) for k, t in seen] == [(k, id(t)) for k in (1, 2, 3) for t in targets]
     assert tuple(from_targets) == model.loss_names == (
         "loss_mil", *(f"loss_ref_{kind}_{k}" for k in (1, 2, 3) for kind in ("cls", "box"))
     )  # fmt: skip
     # image_labels alone, or both in agreement, give the same losses.
     for call in (dict(image_labels=labels), dict(image_labels=labels, targets=targets)):
-        losses = model(images, proposals, **call)
+        losses = model(images, proposals, **call).losses
         assert all(torch.equal(losses[k], from_targets[k]) for k in from_targets)
     with pytest.raises(ValueError, match="disagree"):
         model(images, proposals, labels.flip(0), targets=targets)

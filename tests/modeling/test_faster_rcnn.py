@@ -4,6 +4,8 @@ merge of test views, and checkpoints that load_detector rebuilds."""
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 import torch
 
@@ -54,7 +56,7 @@ def test_boxes_cross_the_boundary_in_each_convention_and_back():
 
 def test_a_collated_batch_trains_with_torchvision_losses_and_every_trainable_weight_gets_a_gradient():
     model = build_faster_rcnn(3, **TOY).train()
-    losses = model(**_batch())
+    losses = model(**_batch()).losses
     assert set(losses) == set(FasterRCNNDetector.loss_names)
     assert all(torch.isfinite(v) for v in losses.values())
     sum(losses.values()).backward()
@@ -62,7 +64,9 @@ def test_a_collated_batch_trains_with_torchvision_losses_and_every_trainable_wei
     assert not without  # DDP needs no find_unused_parameters
     with pytest.raises(ValueError, match="no boxes/box_labels targets"):
         model(**{**_batch(), "targets": [{"labels": torch.ones(3)}] * 2})
-    with pytest.raises(RuntimeError, match="detect\\(\\) predicts"):
+    with pytest.raises(ValueError, match="keeps nothing besides its losses"):  # no ROI features to give
+        model(**_batch(), keep=("roi_features",))
+    with pytest.raises(RuntimeError, match="predict_view predicts"):
         model.eval()(**_batch())
 
 
@@ -88,6 +92,13 @@ def test_detections_are_wsod_boxes_in_original_pixels_with_labels_from_zero():
         first["boxes"][:, 2].max() <= 239 and first["boxes"][:, 3].max() <= 159 and first["boxes"].min() >= 0
     )
     assert first["boxes"][:, 2].max() > 120  # not left in resized pixels
+    # A caller's settings (the export's cap) apply to that call alone: the model keeps its own.
+    own = model.detection_settings
+    assert own.detections_per_image == 7
+    capped = model.predict_view(batch, [False, True], replace(own, detections_per_image=2))
+    assert all(0 < len(image["boxes"]) <= 2 for image in capped)
+    assert model.detection_settings == own and model.detector.roi_heads.detections_per_img == 7
+    torch.testing.assert_close(capped[0]["boxes"], first["boxes"][:2])  # the best two, unflipped
 
 
 def test_views_merge_by_per_class_nms_and_give_each_class_its_best_score():

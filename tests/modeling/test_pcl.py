@@ -405,7 +405,7 @@ def test_pcl_detector_trains_students_without_box_regression_and_detects_proposa
     assert all(student.bbox_pred is None for student in model.students)
     assert not any("bbox_pred" in name for name in model.state_dict())
     images, proposals, targets = _batch(generator)
-    losses = model(images, proposals, targets=targets)
+    losses = model(images, proposals, targets=targets).losses
     assert list(losses) == list(model.loss_names)
     sum(losses.values()).backward()
     assert all(p.grad is not None for s in model.students for p in s.parameters())
@@ -435,7 +435,7 @@ def test_wsddn_detector_is_the_teacher_alone_and_detects_with_its_scores():
     model = build_detector(num_classes=3, method=WSDDNMethod(), num_students=0, **TINY)
     assert model.loss_names == ("loss_mil",) and len(model.students) == 0
     images, proposals, targets = _batch(generator)
-    losses = model(images, proposals, targets=targets)
+    losses = model(images, proposals, targets=targets).losses
     assert list(losses) == ["loss_mil"]
     model.eval()
     features = model.roi_features(images, proposals)

@@ -25,7 +25,7 @@ def test_resnet50_c4_at_real_size_trains_one_auto_step_and_evaluates():
     optimizer = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=1e-3, momentum=0.9)
 
     model.train()
-    losses = model(**batch)
+    losses = model(**batch).losses
     assert all(torch.isfinite(v) for v in losses.values()), losses
     sum(losses.values()).backward()
     head = model.roi_head

@@ -56,7 +56,7 @@ def test_points_on_a_record_reach_the_methods_call_for_their_image_resized_and_f
     dataset = _dataset(tmp_path)
     inputs = model_inputs(collate([dataset[0], dataset[1]]), torch.device("cpu"))
     model.train()
-    losses = model(**inputs)
+    losses = model(**inputs).losses
     assert set(losses) == set(model.loss_names)
 
     # Three students x two images, in batch order: each image's own dict, every time.
@@ -68,4 +68,6 @@ def test_points_on_a_record_reach_the_methods_call_for_their_image_resized_and_f
         )
         assert first["point_labels"].tolist() == [1, 0] and first["labels"].tolist() == [0.0, 1.0, 0.0]
     for _, second in method.calls[1::2]:
-        assert set(second) == {"labels"} and second["labels"].tolist() == [1.0, 0.0, 0.0]
+        # No supervision but its labels, and each ROI's index in its image's proposal list (the collate's).
+        assert set(second) == {"labels", "proposal_ids"} and second["labels"].tolist() == [1.0, 0.0, 0.0]
+        assert second["proposal_ids"].tolist() == [0]

@@ -128,7 +128,7 @@ def test_training_step_and_evaluation_of_a_vgg16_detector():
     labels[1, 7] = 1
 
     model.train()
-    losses = model(images, proposals, labels)
+    losses = model(images, proposals, labels).losses
     assert {"loss_mil", "loss_ref_cls_1", "loss_ref_box_3"} <= losses.keys()
     assert all(torch.isfinite(v) for v in losses.values())
     sum(losses.values()).backward()

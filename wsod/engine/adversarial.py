@@ -108,7 +108,7 @@ class DropBlockAdversary(Companion):
         with _only_trainable(self.detector, self.params):
             for inputs in batches:
                 with autocast(self.device, self.amp):
-                    losses = self.detector(**inputs)
+                    losses = self.detector(**inputs).losses
                 total = sum(losses.values())
                 totals.append(total.detach().float())
                 batch_grads = torch.autograd.grad(

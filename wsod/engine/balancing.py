@@ -3,7 +3,7 @@
 Per optimizer step with ``accumulation`` batches (see ``wsod.engine.gradnorm`` for one balance call), at
 the points where the loop calls a ``Companion`` (``wsod.engine.companion``):
 
-* each batch, ``combine(losses, roi_features)`` (``weighted_total``): measures the per-loss gradient norms
+* each batch, ``combine(output)`` (``weighted_total``): measures the per-loss gradient norms
   at the ROI features (the heads only), keeps GradNorm's weight gradient, and returns the weighted total
   (weights detached) for the loop's one backward;
 * after the detector's update, ``after_step`` (``step()``): averages the weight gradients over the
@@ -37,6 +37,7 @@ from wsod.distributed import all_reduce_mean
 from wsod.engine.companion import Companion
 from wsod.engine.gradnorm import GradNorm
 from wsod.engine.solver import WarmupMultiStep, WarmupMultiStepLR, load_optimizer_state
+from wsod.modeling.protocol import TrainingOutput
 
 __all__ = ["LossBalancer"]
 
@@ -58,7 +59,7 @@ class LossBalancer(Companion):
             L_i(0) (0, or start_iter 0: L_i(0) is the first balanced step's value, as published).
         balance: "all" (as published) or "students" (``loss_mil`` stays at weight 1).
         normalize_rates: rates from each loss divided by its scale (the third output of the
-            detector's ``forward(..., return_features=True, return_loss_scales=True)``).
+            detector's ``TrainingOutput.loss_scales``, kept when ``keep`` asks for them).
         milestones, gamma: the weights' learning rate x gamma at each of these optimizer steps.
 
     The loss names are fixed by the first call (a detector's losses always come in the same order).
@@ -97,7 +98,9 @@ class LossBalancer(Companion):
             raise ValueError(f"LossBalancer: alpha must be >= 0 and lr > 0, got alpha={alpha}, lr={lr}")
         self.fixed = fixed
         self.start_iter, self.window = int(start_iter), int(window)
-        self.needs_loss_scales = bool(normalize_rates)
+        self.normalize_rates = bool(normalize_rates)
+        # GradNorm measures at the ROI features; its normalised rates read each loss's scale.
+        self.keep = frozenset({"roi_features", "loss_scales"} if normalize_rates else {"roi_features"})
         self.gradnorm = GradNorm(num_losses - len(fixed), alpha=alpha, min_weight=min_weight)
         # Adam: the weight gradient's scale is that of the gradient norms at the ROI features, which
         # differs by orders of magnitude between models; Adam's step does not depend on it (and so is
@@ -160,11 +163,11 @@ class LossBalancer(Companion):
     def _rate_values(
         self, balanced: Mapping[str, Tensor], loss_scales: Mapping[str, Tensor] | None
     ) -> list[Tensor]:
-        if not self.needs_loss_scales:
+        if not self.normalize_rates:
             return [loss.detach() for loss in balanced.values()]
         if loss_scales is None:
             raise ValueError(
-                "LossBalancer: normalize_rates needs the losses' scales (return_loss_scales=True)"
+                "LossBalancer: normalize_rates needs the losses' scales (the forward's keep=('loss_scales',))"
             )
         values = []
         for name, loss in balanced.items():
@@ -196,10 +199,8 @@ class LossBalancer(Companion):
         self._grads.clear()
         self._stats.clear()
 
-    def combine(
-        self, losses: dict[str, Tensor], roi_features: Tensor, loss_scales: Mapping[str, Tensor] | None = None
-    ) -> Tensor:
-        return self.weighted_total(losses, roi_features, loss_scales)
+    def combine(self, output: TrainingOutput) -> Tensor:
+        return self.weighted_total(output.losses, output.roi_features, output.loss_scales)
 
     def after_step(self, inputs: Sequence[dict[str, Any]]) -> dict[str, float]:
         """Update the weights from the step's batches (already measured: ``inputs`` is not needed) and

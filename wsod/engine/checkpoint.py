@@ -10,7 +10,8 @@ A run directory's files (``Checkpointer``):
 * ``model_<iteration>.pth``, the newest ``keep`` of them: everything a resume needs. The training loop
   gives the ``payload`` (``model``, ``optimizer``, ``scaler``, ``rng`` and each companion's state under
   its name); the checkpointer adds ``trainer`` (``TrainState`` as a dict plus ``best``) and ``metadata``.
-* ``model_final.pth``: ``{"model", "iteration", "metadata"}``, the weights at the end of training.
+* ``model_final.pth``: ``{"model", "iteration", "metadata"}``, the weights at the end of training (plus
+  the companions' ``final_weights``: an EMA teacher's under ``teacher``).
 * ``model_best.pth``: the checkpoint, periodic or final, whose evaluation had the highest value of the
   primary metric, with that evaluation's record ``{"value", "iteration", "metric"}`` under ``best``. Only
   a strictly higher value replaces it, also across a resume: the record is read back from it then.
@@ -287,9 +288,15 @@ class Checkpointer:
             old.unlink(missing_ok=True)
         return path
 
-    def final(self, model_state: dict[str, Any], iteration: int) -> None:
-        """Save ``model_final.pth`` (the weights ``model_state`` after ``iteration`` steps)."""
-        self._final = {"model": model_state, "iteration": iteration, "metadata": self.metadata}
+    def final(self, model_state: dict[str, Any], iteration: int, extra: dict[str, Any] | None = None) -> None:
+        """Save ``model_final.pth`` (the weights ``model_state`` after ``iteration`` steps, plus
+        ``extra``: the companions' ``final_weights``, e.g. the EMA teacher's under ``"teacher"``)."""
+        self._final = {
+            "model": model_state,
+            **(extra or {}),
+            "iteration": iteration,
+            "metadata": self.metadata,
+        }
         if self.enabled:
             save_checkpoint(self._final, self.run_dir / "model_final.pth")
 

@@ -1,10 +1,12 @@
-"""What the training loop calls on its optional extras (the adversarial DropBlock step, the GradNorm loss
-weights, an EMA teacher one day): one small interface, called at fixed points of every optimizer step.
+"""What the training step calls on its optional extras (the adversarial DropBlock step, the GradNorm loss
+weights, the EMA teacher): one small interface, called at fixed points of every optimizer step.
 
-One optimizer step of ``wsod.engine.train.train``, with the points where each companion is called::
+One optimizer step (``wsod.engine.step.train_step``), with the points where each companion is called::
 
     for each of the step's ``accumulation`` batches:
-        forward; total = combine(losses, roi_features)   # the one companion with combines_losses, if any
+        before_forward(inputs)                            -> extra keyword arguments of the forward
+        output = model(**inputs, **extra, keep=...)       # ``keep``: what the combining companion needs
+        total = combine(output)                           # the one companion with combines_losses, if any
         backward of total
     the step is applied (loss, gradients and statistics finite):
         optimizer step; after_step(the step's model inputs)  -> values for the log
@@ -13,40 +15,52 @@ One optimizer step of ``wsod.engine.train.train``, with the points where each co
     log_values()                                          -> values for the log, every step
     the detector's schedule steps; checkpoints hold state_dict() under ``name``
 
+Around the step, the loop asks ``evaluation_model`` which model its evaluations predict with (the EMA
+teacher's, for instance) and ``final_weights`` what ``model_final.pth`` holds besides the model's.
+
 A companion keeps its own optimizer and schedule; the loop never looks inside. The loop stays an explicit
-loop (no event system): these are the only places a companion runs.
+loop (no event system): these are the only places a companion runs. Which companions a run has comes
+from its config (``wsod.build.COMPANIONS``).
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any, ClassVar
 
-from torch import Tensor
+from torch import Tensor, nn
 
-__all__ = ["Companion"]
+from wsod.modeling.protocol import TrainingOutput
+
+__all__ = ["Companion", "evaluation_model"]
 
 
 class Companion:
     """The base of every training extra; each method's default does nothing.
 
     Attributes:
-        name: the key of ``state_dict()`` in a checkpoint ("adversary", "balancer"); unique in a run.
-        combines_losses: ``combine`` makes each batch's total loss (at most one companion of a run):
-            the forward then also returns the (R, D) ROI features, which ``combine`` may differentiate.
-        needs_inputs: ``after_step`` receives the step's model inputs (kept on the device until then);
-            the others receive an empty list, so that the step's batches are freed as it goes.
-        needs_loss_scales: (with ``combines_losses``) ``combine`` also receives each loss's
-            pseudo-label weight scale (the detector's ``return_loss_scales``) as a third argument.
+        name: the key of ``state_dict()`` in a checkpoint ("adversary", "balancer", "ema_teacher");
+            unique in a run.
+        combines_losses: ``combine`` makes each batch's total loss (at most one companion of a run).
+        keep: what the training forward also returns for ``combine`` (``TRAINING_EXTRAS``: the (R, D)
+            ROI features, which ``combine`` may differentiate, and the losses' scales).
+        needs_inputs: ``after_step`` receives the step's model inputs (kept on the device until then,
+            with every companion's ``before_forward`` arguments); the others receive an empty list, so
+            that the step's batches are freed as it goes.
     """
 
     name: ClassVar[str] = ""
     combines_losses: ClassVar[bool] = False
-    needs_inputs: bool = False  # a class default; a companion may set it per instance
-    needs_loss_scales: bool = False
+    keep: frozenset[str] = frozenset()  # a class default; a companion may set it per instance
+    needs_inputs: bool = False
 
-    def combine(self, losses: dict[str, Tensor], roi_features: Tensor) -> Tensor:
-        """The scalar total of one batch's ``losses`` for its backward (``combines_losses`` only)."""
+    def before_forward(self, inputs: Mapping[str, Any]) -> dict[str, Any]:
+        """Extra keyword arguments of the training forward on ``inputs`` (the batch's model inputs, on
+        the device), e.g. an EMA teacher's scores. Called inside the step's autocast."""
+        return {}
+
+    def combine(self, output: TrainingOutput) -> Tensor:
+        """The scalar total of one batch's losses for its backward (``combines_losses`` only)."""
         raise NotImplementedError(f"{type(self).__name__} does not combine losses (combines_losses=False)")
 
     def after_step(self, inputs: Sequence[dict[str, Any]]) -> dict[str, float]:
@@ -61,9 +75,26 @@ class Companion:
         """Values for every step's log row, applied or skipped."""
         return {}
 
+    def evaluation_model(self, model: nn.Module) -> nn.Module:
+        """The model an evaluation predicts with, given the trained one (default: that model)."""
+        return model
+
+    def final_weights(self) -> dict[str, Any]:
+        """What ``model_final.pth`` holds of this companion besides the model's weights (default none)."""
+        return {}
+
     def state_dict(self) -> dict[str, Any]:
         """What a checkpoint keeps of it, under ``name``."""
         return {}
 
     def load_state_dict(self, state: dict[str, Any], iteration: int) -> None:
         """Restore ``state_dict()``'s output on a resume at ``iteration`` (a schedule is placed there)."""
+
+
+def evaluation_model(model: nn.Module, companions: Sequence[Companion]) -> nn.Module:
+    """The model evaluations use: ``model`` (unwrapped from DDP) passed through each companion's
+    ``evaluation_model``."""
+    model = model.module if isinstance(model, nn.parallel.DistributedDataParallel) else model
+    for companion in companions:
+        model = companion.evaluation_model(model)
+    return model

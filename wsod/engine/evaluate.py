@@ -34,7 +34,7 @@ from wsod.engine.checkpoint import save_checkpoint
 from wsod.engine.inference import predict, random_detections
 from wsod.engine.visualize import draw_detections, tag_safe
 from wsod.evaluation import METRICS, classification, coco, voc
-from wsod.modeling.detector import WeaklySupervisedDetector
+from wsod.modeling.protocol import Detector
 
 __all__ = [
     "METRICS",
@@ -203,7 +203,7 @@ class Evaluator:
     def primary_metric(self) -> str:
         return primary_metric(self.metric, self.dataset.has_ground_truth)
 
-    def __call__(self, model: WeaklySupervisedDetector, *, random_baseline: bool | None = None) -> Evaluation:
+    def __call__(self, model: Detector, *, random_baseline: bool | None = None) -> Evaluation:
         """Predict, then ``score`` (``random_baseline`` None: the evaluator's setting)."""
         detections = predict(
             model, self.dataset, scales=self.scales, max_size=self.max_size, flip=self.flip,
@@ -215,7 +215,7 @@ class Evaluator:
     def score(
         self,
         detections: Detections | None,
-        model: WeaklySupervisedDetector,
+        model: Detector,
         *,
         random_baseline: bool | None = None,
     ) -> Evaluation:
@@ -238,9 +238,9 @@ class Evaluator:
         previews = self._previews(detections) if is_main_process() else {}
         return Evaluation(detections, metrics, report, extra, per_class, previews)
 
-    def _chance_level(self, model: WeaklySupervisedDetector) -> dict[str, float]:
+    def _chance_level(self, model: Detector) -> dict[str, float]:
         """The metrics of ``random_detections``, computed once per post-processing setting."""
-        key = (model.num_classes, model.nms_iou, model.score_threshold, model.detections_per_image)
+        key = (model.num_classes, model.detection_settings)
         if self._chance is None or self._chance[0] != key:
             chance, _ = evaluate_detections(
                 random_detections(self.dataset, model), self.dataset, metric=self.metric

@@ -4,8 +4,10 @@ Test-time augmentation (docs/METHOD.md §5): every image is run at each scale, a
 per-ROI class probabilities and decoded boxes (in original pixels, flipped ones mirrored back) are
 averaged over the passes before the per-class NMS. All passes of an image share its proposals, because
 proposals are filtered before any transform. A second-stage detector (``FasterRCNNDetector``) has no
-shared proposals: each view's detections (flips mirrored back) are pooled and merged by per-class NMS
-(``merge_views``), the union-then-NMS rule of detectron2's test-time augmentation for boxes.
+shared proposals: each view's detections (flips mirrored back) are pooled and merged by per-class NMS,
+the union-then-NMS rule of detectron2's test-time augmentation for boxes. Which rule applies is the
+model's (its ``predict_view`` and ``merge_views``, ``wsod.modeling.protocol``): this module never asks
+what the model is.
 """
 
 from __future__ import annotations
@@ -22,8 +24,7 @@ from wsod.data.loader import collate, ignore_interrupts_in_worker, model_inputs
 from wsod.data.transforms import test_transform
 from wsod.distributed import gather_to_main, get_rank, get_world_size
 from wsod.engine.amp import autocast, resolve_amp
-from wsod.modeling.detector import WeaklySupervisedDetector
-from wsod.modeling.faster_rcnn import FasterRCNNDetector, merge_views
+from wsod.modeling.protocol import DetectionSettings, Detector
 
 __all__ = ["MultiViewDataset", "tta_views", "predict", "random_detections"]
 
@@ -58,14 +59,9 @@ def _collate_views(items: list[list[dict]]) -> list[dict]:
     return [collate([item[v] for item in items]) for v in range(len(items[0]))]
 
 
-def _unflip(boxes: Tensor, width: int) -> Tensor:
-    """Mirror (..., 4) xyxy boxes of a flipped image of ``width`` back (torchvision's x -> W - x)."""
-    return torch.stack([width - boxes[..., 2], boxes[..., 1], width - boxes[..., 0], boxes[..., 3]], dim=-1)
-
-
 @torch.no_grad()
 def predict(
-    model: WeaklySupervisedDetector | FasterRCNNDetector,
+    model: Detector,
     dataset: Dataset,
     *,
     scales: Sequence[int],
@@ -76,6 +72,7 @@ def predict(
     device: torch.device | str = "cpu",
     amp: str | None = None,
     progress: bool = True,
+    settings: DetectionSettings | None = None,
 ) -> Detections | None:
     """Detections for every image of ``dataset`` (built without a transform), in dataset order.
 
@@ -84,9 +81,12 @@ def predict(
     ``WeaklySupervisedDetector.image_scores``; averaged over the views like the per-ROI scores). Under
     torch.distributed each process predicts every world_size-th image; the main process receives the
     whole list and the others ``None`` (scoring runs once, on the main process: COCOeval alone holds the
-    whole ground truth in memory).
+    whole ground truth in memory). ``settings``: the post-processing (the model's own when None; the
+    export passes its cap here instead of changing the model). The model is used through its contract
+    alone (``wsod.modeling.protocol.Detector``: ``predict_view`` per view, ``merge_views`` per image).
     """
     device = torch.device(device)
+    settings = settings or model.detection_settings
     amp = resolve_amp(amp, device)
     rank, world = get_rank(), get_world_size()
     views = [test_transform(scale, max_size, flip=flipped) for scale, flipped in tta_views(scales, flip)]
@@ -106,33 +106,12 @@ def predict(
         loader, desc=f"predict ({len(views)} views)", disable=not (progress and rank == 0), dynamic_ncols=True
     )
     for batches in bar:
-        if isinstance(model, FasterRCNNDetector):
-            results += _detect_views(model, batches, device, amp)
-            continue
-        totals: list[list[Tensor]] | None = None
-        for batch in batches:
-            inputs = model_inputs(batch, device)
+        views = []
+        for batch in batches:  # one test view of every image of the batch
             with autocast(device, amp):
-                features = model.roi_features(inputs["images"], inputs["proposals"])
-            per_roi = model.predict_rois(
-                features.float(), inputs["proposals"], inputs["image_sizes"], inputs["original_sizes"]
-            )
-            per_image = model.image_scores(features.float(), inputs["proposals"])
-            per_roi = [
-                (scores, _unflip(boxes, size[1]) if flipped else boxes, image_scores)
-                for (scores, boxes), size, flipped, image_scores in zip(
-                    per_roi, inputs["original_sizes"], batch["flipped"], per_image, strict=True
-                )
-            ]
-            if totals is None:
-                totals = [list(outputs) for outputs in per_roi]
-            else:
-                for total, outputs in zip(totals, per_roi, strict=True):
-                    for k, value in enumerate(outputs):
-                        total[k] = total[k] + value
-        for scores, boxes, image_scores in totals:
-            detections = model.postprocess(scores / len(views), boxes / len(views))
-            detections["image_scores"] = image_scores / len(views)
+                views.append(model.predict_view(model_inputs(batch, device), batch["flipped"], settings))
+        for image_views in zip(*views, strict=True):
+            detections = model.merge_views(list(image_views), settings)
             results.append({k: v.cpu() for k, v in detections.items()})
     model.train(was_training)
     if world == 1:
@@ -147,42 +126,7 @@ def predict(
     return ordered
 
 
-def _detect_views(
-    model: FasterRCNNDetector, batches: list[dict], device: torch.device, amp: str | None
-) -> Detections:
-    """A second-stage detector's detections of one batch of images, each view (a batch) run alone,
-    flips mirrored back, then merged per image (``merge_views``)."""
-    per_image: list[list[dict[str, Tensor]]] = [[] for _ in batches[0]["image_ids"]]
-    for batch in batches:
-        inputs = model_inputs(batch, device)
-        with autocast(device, amp):
-            found = model.detect(inputs["images"], inputs["image_sizes"], inputs["original_sizes"])
-        for views, det, size, flipped in zip(
-            per_image, found, inputs["original_sizes"], batch["flipped"], strict=True
-        ):
-            boxes = det["boxes"].float()
-            views.append(
-                {
-                    **det,
-                    "boxes": _unflip(boxes, size[1]) if flipped else boxes,
-                    "scores": det["scores"].float(),
-                }
-            )
-    merged = [
-        merge_views(
-            views,
-            nms_iou=model.nms_iou,
-            detections_per_image=model.detections_per_image,
-            num_classes=model.num_classes,
-        )  # fmt: skip
-        for views in per_image
-    ]
-    return [{k: v.cpu() for k, v in detections.items()} for detections in merged]
-
-
-def random_detections(
-    dataset: WeakDetectionDataset, model: WeaklySupervisedDetector, *, seed: int = 0
-) -> Detections:
+def random_detections(dataset: WeakDetectionDataset, model: Detector, *, seed: int = 0) -> Detections:
     """The chance level: uniformly random class scores over the same proposals, through the model's own
     post-processing (per-class NMS, top detections), and uniformly random image scores (drawn from a
     generator of their own, so that the detections are those of earlier versions)."""

@@ -6,8 +6,9 @@ recipe written for 8 GPUs x 1 image keeps its numbers on 1 GPU with ``accumulati
 
 What the loop leaves to others: which files are saved, and when, is the ``Checkpointer``'s
 (``wsod.engine.checkpoint``: ``model_<iteration>.pth``, ``model_final.pth``, ``model_best.pth``); the
-rows of ``metrics.jsonl`` and tensorboard go through the caller's ``RunLog``; the optional extras (the
-adversarial DropBlock step, GradNorm) are ``Companion``s called at fixed points of each step
+rows of ``metrics.jsonl`` and tensorboard go through the caller's ``RunLog``; one optimizer step is
+``wsod.engine.step.train_step`` (the ROI benchmark runs the same); the optional extras (the adversarial
+DropBlock step, GradNorm, the EMA teacher) are ``Companion``s called at fixed points of each step
 (``wsod.engine.companion`` draws them); the tensorboard images of each student's pseudo-labels are
 the optional ``PseudoLabelPreview``'s. The caller writes ``config.yaml`` and ``log.txt`` and runs the
 final evaluation (``wsod.runs.train``).
@@ -16,7 +17,6 @@ final evaluation (``wsod.runs.train``).
 from __future__ import annotations
 
 import logging
-import math
 import time
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager, nullcontext
@@ -29,16 +29,16 @@ from torch import nn
 from tqdm import tqdm
 from tqdm.contrib.logging import logging_redirect_tqdm
 
-from wsod.data.loader import model_inputs
-from wsod.distributed import all_reduce_mean, is_main_process
+from wsod.distributed import is_main_process
 from wsod.engine.amp import autocast, resolve_amp
 from wsod.engine.checkpoint import Checkpointer, TrainState, rng_state, set_rng_state
-from wsod.engine.companion import Companion
+from wsod.engine.companion import Companion, evaluation_model
 from wsod.engine.evaluate import Evaluator
 from wsod.engine.interrupt import StopRequests, TrainingInterrupted
 from wsod.engine.pseudo_label_preview import PseudoLabelPreview
 from wsod.engine.run_log import RunLog
 from wsod.engine.solver import WarmupMultiStepLR, load_optimizer_state
+from wsod.engine.step import NonFiniteParametersError, check_companions, train_step
 
 __all__ = ["train", "NonFiniteLossError", "TrainingInterrupted"]
 
@@ -92,8 +92,10 @@ def train(
             iteration (so a changed learning rate takes effect).
         evaluator: called on every process (prediction is distributed) every ``eval_period`` steps
             before the last.
-        companions: training extras (``DropBlockAdversary``, ``LossBalancer``), called in this order at
-            the points ``wsod.engine.companion`` lists; their state is checkpointed under their names.
+        companions: training extras (``DropBlockAdversary``, ``LossBalancer``, ``EMATeacher``), called in
+            this order at the points ``wsod.engine.companion`` lists; their state is checkpointed under
+            their names; evaluations use the model ``evaluation_model`` gives (the teacher's, say), and
+            ``model_final.pth`` holds their ``final_weights`` too.
         max_nonfinite: abort after this many consecutive steps whose loss, gradient or updated
             buffers (BatchNorm running statistics) are not finite. Such a step is skipped: no parameter,
             buffer or optimizer state changes; it is counted and logged. The abort saves a checkpoint of
@@ -116,7 +118,7 @@ def train(
     main = is_main_process()
     amp = resolve_amp(amp, device)
     scaler = torch.amp.GradScaler(device.type, enabled=amp == "fp16")
-    _check_companions(companions)
+    check_companions(companions)
     payload = partial(_payload, model, optimizer, scaler, companions)
     state = TrainState()
     if resume_from is not None:
@@ -134,31 +136,23 @@ def train(
     with _progress_bar(max_iter, state.iteration, shown=main and progress) as bar, StopRequests() as stop:
         step_start, logged_at = time.perf_counter(), state.iteration
         while state.iteration < max_iter:
-            buffers = _copy_buffers(model)  # restored if the step is skipped
-            losses, inputs = _forward_backward(model, batches, device, accumulation, amp, scaler, companions)
-            values = _reduce_losses(losses)
-            problem = _step_problem(values, model, optimizer, scaler)
-            applied = problem is None
-            if applied:
+            try:
+                step = train_step(
+                    model, optimizer, batches, device=device, accumulation=accumulation, amp=amp,
+                    scaler=scaler, companions=companions,
+                )  # fmt: skip
+            except NonFiniteParametersError as error:
+                raise NonFiniteLossError(_parameters_message(state.iteration + 1, checkpointer)) from error
+            values = step.values
+            if step.applied:
                 consecutive_nonfinite, state.last_finite = 0, state.iteration + 1
-                scaler.step(optimizer)
-                scaler.update()
-                _check_parameters(model, state.iteration + 1, checkpointer)
-                for companion in companions:
-                    values.update(companion.after_step(inputs if companion.needs_inputs else []))
             else:
                 consecutive_nonfinite += 1
                 state.skipped_steps += 1
-                _restore(buffers)
-                for companion in companions:
-                    companion.skip()
                 logger.warning(
                     "non-finite %s at iteration %d (%s): step skipped, weights and statistics unchanged"
-                    " (%d skipped in total)", problem, state.iteration + 1, values, state.skipped_steps,
+                    " (%d skipped in total)", step.problem, state.iteration + 1, values, state.skipped_steps,
                 )  # fmt: skip
-            for companion in companions:
-                values.update(companion.log_values())
-            optimizer.zero_grad(set_to_none=True)
             lr = optimizer.param_groups[0]["lr"]  # the rate this step used, for the log
             scheduler.step()
             state.iteration += 1
@@ -169,7 +163,7 @@ def train(
                 seconds = (time.perf_counter() - step_start) / (state.iteration - logged_at)
                 _log_step(run_log, bar, state.iteration, max_iter, values, lr, seconds, device)
                 step_start, logged_at = time.perf_counter(), state.iteration
-            if main and applied and preview is not None and state.iteration % preview.period == 0:
+            if main and step.applied and preview is not None and state.iteration % preview.period == 0:
                 started = time.perf_counter()
                 with autocast(device, amp):  # the features the step's own pseudo-labels came from
                     preview(model, state.iteration, run_log)
@@ -182,12 +176,13 @@ def train(
             checkpointer.periodic(state, payload)
             periodic = eval_period and state.iteration % eval_period == 0
             if evaluator is not None and periodic and state.iteration < max_iter:
-                _periodic_evaluation(model, evaluator, state, run_log, checkpointer, payload)
+                _periodic_evaluation(model, evaluator, state, run_log, checkpointer, payload, companions)
             if stop.requested_anywhere(device):  # after the step's checkpoint and evaluation
                 checkpointer.periodic(state, payload, force=True)
                 raise TrainingInterrupted(_interrupted_message(stop.name, state, max_iter, checkpointer))
         checkpointer.periodic(state, payload, force=True)  # the last state, whatever the period
-        checkpointer.final(_unwrap(model).state_dict(), state.iteration)
+        extra = {name: value for c in companions for name, value in c.final_weights().items()}
+        checkpointer.final(_unwrap(model).state_dict(), state.iteration, extra)
     return {
         "iteration": state.iteration,
         "skipped_steps": state.skipped_steps,
@@ -199,16 +194,6 @@ def train(
 
 def _unwrap(model: nn.Module) -> nn.Module:
     return model.module if isinstance(model, nn.parallel.DistributedDataParallel) else model
-
-
-def _check_companions(companions: Sequence[Companion]) -> None:
-    names = [c.name for c in companions]
-    if len(set(names)) != len(names):
-        raise ValueError(f"train(): companions {names} share a name; each needs its own checkpoint key")
-    combiners = [c for c in companions if c.combines_losses]
-    if len(combiners) > 1:
-        names = ", ".join(c.name for c in combiners)
-        raise ValueError(f"train(): {names} all combine the losses; pass at most one of them")
 
 
 def _payload(
@@ -265,75 +250,6 @@ def _progress_bar(total: int, initial: int, shown: bool) -> Iterator[tqdm]:
         bar.close()
 
 
-def _forward_backward(
-    model: nn.Module,
-    batches: Iterator[dict[str, Any]],
-    device: torch.device,
-    accumulation: int,
-    amp: str | None,
-    scaler: torch.amp.GradScaler,
-    companions: Sequence[Companion],
-) -> tuple[dict[str, torch.Tensor], list[dict[str, Any]]]:
-    """The ``accumulation`` forward and backward passes of one optimizer step. Returns the step's losses
-    (the mean over its batches, detached, plus ``loss_total``) and, when a companion needs them, its
-    batches' model inputs (else none: each batch is freed after its backward)."""
-    combiner = next((c for c in companions if c.combines_losses), None)
-    keep_inputs = any(c.needs_inputs for c in companions)
-    step_losses: dict[str, torch.Tensor] = {}
-    step_inputs = []
-    for micro in range(accumulation):
-        inputs = model_inputs(next(batches), device)
-        if keep_inputs:
-            step_inputs.append(inputs)
-        # Under DDP the gradients are averaged over processes in the step's last backward only.
-        sync = micro == accumulation - 1 or not isinstance(model, nn.parallel.DistributedDataParallel)
-        with model.no_sync() if not sync else nullcontext(), autocast(device, amp):
-            if combiner is None:
-                losses = model(**inputs)
-                total = sum(losses.values())
-            elif combiner.needs_loss_scales:  # GradNorm's rates read each loss's pseudo-label weight
-                losses, roi_features, scales = model(**inputs, return_features=True, return_loss_scales=True)
-                total = combiner.combine(losses, roi_features, scales)
-            else:  # GradNorm measures at the ROI features, before the one backward
-                losses, roi_features = model(**inputs, return_features=True)
-                total = combiner.combine(losses, roi_features)
-                # Dropped before the backward, which frees the (R, D) features once the heads' gradients
-                # are computed: held here, they would stay alive at the neck's peak (kilobytes per ROI).
-                del roi_features
-        scaler.scale(total / accumulation).backward()
-        for name, value in losses.items():
-            step_losses[name] = step_losses.get(name, 0) + value.detach() / accumulation
-    step_losses["loss_total"] = sum(step_losses.values())
-    return step_losses, step_inputs
-
-
-def _reduce_losses(losses: dict[str, torch.Tensor]) -> dict[str, float]:
-    """Mean of each loss over processes (for logging only)."""
-    names = sorted(losses)
-    values = all_reduce_mean(torch.stack([losses[n].detach().float() for n in names]))
-    return dict(zip(names, values.tolist(), strict=True))
-
-
-def _step_problem(
-    values: dict[str, float], model: nn.Module, optimizer: torch.optim.Optimizer, scaler: torch.amp.GradScaler
-) -> str | None:
-    """Why this step cannot be applied, or None; adds ``grad_norm`` to ``values`` when it is measured.
-
-    The same answer on every process: losses are averaged over processes, DDP has made the gradients
-    identical, and the statistics check is reduced. fp16's scaler skips overflowing gradients itself
-    (routinely), so their norm is not checked under it.
-    """
-    if not math.isfinite(values["loss_total"]):
-        return "loss or gradient"
-    if not scaler.is_enabled():
-        values["grad_norm"] = _gradient_norm(optimizer)
-        if not math.isfinite(values["grad_norm"]):
-            return "loss or gradient"
-    if not _buffers_finite(model):
-        return "BatchNorm statistic (finite loss and gradient)"
-    return None
-
-
 def _short(value: float) -> str:
     """A log number: 4 decimals, or 3 significant digits for small ones (a learning rate of 3e-5)."""
     return f"{value:.4f}" if value == 0 or abs(value) >= 1e-3 else f"{value:.3e}"
@@ -368,11 +284,13 @@ def _periodic_evaluation(
     run_log: RunLog,
     checkpointer: Checkpointer,
     payload: Callable[[], dict[str, Any]],
+    companions: Sequence[Companion],
 ) -> None:
-    """A periodic evaluation: logged, kept as ``state.last_eval`` and offered as the best."""
+    """A periodic evaluation (of the model the companions say, ``evaluation_model``): logged, kept as
+    ``state.last_eval`` and offered as the best."""
     model.eval()
     with torch.no_grad():
-        result = evaluator(_unwrap(model))
+        result = evaluator(evaluation_model(model, companions))
     model.train()
     state.last_eval = result.metrics
     run_log.evaluation(state.iteration, result)  # metrics, per-class APs, images of detections
@@ -383,42 +301,6 @@ def _periodic_evaluation(
     checkpointer.offer_best(metric, result.metrics.get(metric), state.iteration, contents)
 
 
-def _copy_buffers(model: nn.Module) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    """(buffer, copy) of every buffer (BatchNorm running statistics and counters, a few kilobytes): a
-    forward pass updates them even when its loss turns out non-finite."""
-    return [(b, b.detach().clone()) for b in model.buffers()]
-
-
-def _restore(buffers: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
-    with torch.no_grad():
-        for buffer, saved in buffers:
-            buffer.copy_(saved)
-
-
-def _gradient_norm(optimizer: torch.optim.Optimizer) -> float:
-    """The L2 norm of all gradients the optimizer would apply (inf or nan if any is not finite)."""
-    grads = [p.grad for group in optimizer.param_groups for p in group["params"] if p.grad is not None]
-    if not grads:
-        return 0.0
-    return torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g.float()) for g in grads])).item()
-
-
-def _buffers_finite(model: nn.Module) -> bool:
-    """Whether every floating-point buffer (BatchNorm running statistics) is finite on every process.
-
-    A step's forward passes update the running statistics before its loss is known, and weights that
-    are huge but finite can overflow them (a variance of 1e20-sized activations is inf in float32)
-    while the loss and gradients stay finite: such a step is as unusable as one with a NaN loss.
-    Reduced over processes: each DDP rank updates its statistics from its own batches, and every rank
-    must make the same decision.
-    """
-    buffers = [b for b in model.buffers() if b.is_floating_point()]
-    if not buffers:
-        return True  # the same answer on every process: they hold the same model
-    local = torch.stack([torch.isfinite(b).all() for b in buffers]).all()  # on the model's device (NCCL)
-    return all_reduce_mean(local.float().reshape(1)).item() == 1.0
-
-
 def _saved_weights(checkpointer: Checkpointer) -> str:
     """Where the last finite weights are, for the message of a run stopped by an overflowing update."""
     newest = checkpointer.newest()
@@ -427,13 +309,12 @@ def _saved_weights(checkpointer: Checkpointer) -> str:
     return f"the newest checkpoint, {newest}, holds finite weights"
 
 
-def _check_parameters(model: nn.Module, iteration: int, checkpointer: Checkpointer) -> None:
-    if not all(torch.isfinite(p).all() for p in model.parameters()):
-        raise NonFiniteLossError(
-            f"training stopped: the update of iteration {iteration} made parameters non-finite (the loss"
-            " and gradients were finite: the step was too large). Lower solver.lr;"
-            f" {_saved_weights(checkpointer)}"
-        )
+def _parameters_message(iteration: int, checkpointer: Checkpointer) -> str:
+    return (
+        f"training stopped: the update of iteration {iteration} made parameters non-finite (the loss"
+        " and gradients were finite: the step was too large). Lower solver.lr;"
+        f" {_saved_weights(checkpointer)}"
+    )
 
 
 def _interrupted_message(

@@ -7,14 +7,15 @@ Batch contract (``forward``):
     pixels, see ``wsod.modeling.method``); image_labels (B, C): the same labels as one tensor, enough
     alone (targets are then ``{"labels": row}``); image_sizes: list of (h, w) of each resized image
     before padding; original_sizes: list of (h, w) of each image on disk. Both default to the padded
-    size (no rescaling).
+    size (no rescaling). views: V when the batch holds B images x V views, image-major.
 
-Training returns the losses named by ``loss_names``: ``"loss_mil"``, then the refinement method's
-(``"loss_ref_cls_k"``, ``"loss_ref_box_k"`` for k = 1..K with MIST and OICR), scalars whose sum is the
-training loss. The method (``wsod.modeling.method.RefinementMethod``) makes each student's
-pseudo-labels and computes its losses; the detector only runs the chain of source scores. Evaluation
-returns per image ``{"boxes" (D, 4) in original pixels, "scores" (D,), "labels" (D,) foreground class
-0..C-1}``.
+It implements the detector contract (``wsod.modeling.protocol.Detector``). Training returns one
+``TrainingOutput`` whose losses are named by ``loss_names``: ``"loss_mil"``, then the refinement
+method's (``"loss_ref_cls_k"``, ``"loss_ref_box_k"`` for k = 1..K with MIST and OICR, then any of its
+``batch_losses``), scalars whose sum is the training loss. The method
+(``wsod.modeling.method.RefinementMethod``) makes each student's pseudo-labels and computes its losses;
+the detector only runs the chain of source scores. Evaluation returns per image ``{"boxes" (D, 4) in
+original pixels, "scores" (D,), "labels" (D,) foreground class 0..C-1}``.
 
 Precision (docs/METHOD.md §2): under autocast only the base and the per-ROI neck run in reduced
 precision. ``losses``, ``predict_rois`` and ``postprocess`` cast reduced-precision ROI features to
@@ -25,8 +26,9 @@ scores, the losses and inference all compute in full precision whatever context 
 from __future__ import annotations
 
 import pkgutil
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Collection, Iterator, Mapping, Sequence
 from functools import partial
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -36,10 +38,11 @@ from torchvision.ops import batched_nms, clip_boxes_to_image, remove_small_boxes
 from wsod.modeling.backbone import Backbone
 from wsod.modeling.box_coder import decode_boxes
 from wsod.modeling.dropblock import ConcreteDropBlock
-from wsod.modeling.method import PseudoLabels, RefinementMethod
+from wsod.modeling.method import MethodBatch, PseudoLabels, RefinementMethod, RoiScores
 from wsod.modeling.mil import MILHead, mil_loss
 from wsod.modeling.partial_labels import PARTIAL_LABEL_FIELDS
 from wsod.modeling.pcl import PCLMethod, WSDDNMethod
+from wsod.modeling.protocol import DetectionSettings, TrainingOutput, check_keep, unflip_boxes
 from wsod.modeling.refinement import (
     LabelerMethod,
     MISTMethod,
@@ -196,6 +199,19 @@ class WeaklySupervisedDetector(nn.Module):
     def num_classes(self) -> int:
         return self.mil_head.cls_score.out_features - 1
 
+    @property
+    def detection_settings(self) -> DetectionSettings:
+        """Its own post-processing settings (``nms_iou``, ``score_threshold``, ``detections_per_image``)."""
+        return DetectionSettings(self.score_threshold, self.nms_iou, self.detections_per_image)
+
+    # Prediction needs the data's proposals: the detector scores them, it proposes none.
+    makes_proposals = False
+
+    def module_groups(self) -> dict[str, list[nn.Module]]:
+        """The EMA teacher's groups (``wsod.modeling.protocol.MODULE_GROUPS``): the base network, the
+        per-ROI neck (with its DropBlock), the MIL head and the students."""
+        return {"backbone": [self.base], "neck": [self.roi_head], "heads": [self.mil_head, self.students]}
+
     def forward(
         self,
         images: Tensor,
@@ -204,47 +220,66 @@ class WeaklySupervisedDetector(nn.Module):
         image_sizes: Sequence[ImageSize] | None = None,
         original_sizes: Sequence[ImageSize] | None = None,
         targets: Sequence[Targets] | None = None,
-        return_features: bool = False,
-        return_loss_scales: bool = False,
-    ) -> (
-        dict[str, Tensor]
-        | tuple[dict[str, Tensor], Tensor]
-        | tuple[dict[str, Tensor], Tensor, dict[str, Tensor]]
-        | list[dict[str, Tensor]]
-    ):
-        """Losses in training mode, detections in eval mode (see the module docstring).
+        views: int = 1,
+        *,
+        teacher_scores: RoiScores | None = None,
+        keep: Collection[str] = (),
+    ) -> TrainingOutput | list[dict[str, Tensor]]:
+        """A ``TrainingOutput`` in training mode, detections in eval mode (see the module docstring).
 
-        Training needs ``targets`` or ``image_labels`` (both: they must agree). ``return_features``
-        (training): also return the (R, D) ROI features the losses were computed from, the boundary
-        between the neck and the heads where GradNorm measures gradient norms (``wsod.engine.gradnorm``);
-        through DistributedDataParallel too, which only sees ``forward``. ``return_loss_scales``
-        (with ``return_features``): a third element, each loss's detached pseudo-label weight scale
-        (``RefinementMethod.loss_scales``; 1 for ``loss_mil`` and for losses the method gives none).
+        Training needs ``targets`` or ``image_labels`` (both: they must agree). ``views``: the batch
+        holds B images x V views, image-major (each view an image of its own for the MIL loss and the
+        students; the method's ``batch_losses`` sees them together). ``teacher_scores``: an EMA
+        teacher's per-ROI scores on the same images and ROIs (``teacher_inputs``), for the method.
+        ``keep`` (``TRAINING_EXTRAS``): also return the (R, D) ROI features the losses were computed
+        from, the boundary between the neck and the heads where GradNorm measures gradient norms
+        (``wsod.engine.gradnorm``), and each loss's detached pseudo-label weight scale
+        (``RefinementMethod.loss_scales``; 1 for ``loss_mil`` and for losses the method gives none);
+        through DistributedDataParallel too, which only sees ``forward``.
         """
-        self._check_inputs(images, proposals)
+        keep = check_keep(keep)
+        self._check_inputs(images, proposals, views)
         if self.training:  # checked before the base network runs
             image_labels, targets = self._training_targets(len(proposals), image_labels, targets)
+            self._check_teacher_scores(teacher_scores, proposals)
         roi_features = self.roi_features(images, proposals)
         if self.training:
-            scales: dict[str, Tensor] | None = {} if return_loss_scales else None
-            losses = self._full_precision_losses(roi_features, proposals, image_labels, targets, scales)
-            if return_loss_scales:
-                if not return_features:
-                    raise ValueError("return_loss_scales needs return_features=True")
+            scales: dict[str, Tensor] | None = {} if "loss_scales" in keep else None
+            losses = self._full_precision_losses(
+                roi_features, proposals, image_labels, targets, scales, views, teacher_scores
+            )
+            output = TrainingOutput(losses)
+            if "roi_features" in keep:
+                output.roi_features = roi_features
+            if scales is not None:
                 one = losses["loss_mil"].new_ones(())
-                return losses, roi_features, {name: scales.get(name, one) for name in losses}
-            return (losses, roi_features) if return_features else losses
+                output.loss_scales = {name: scales.get(name, one) for name in losses}
+            return output
         padded = (images.shape[-2], images.shape[-1])
         image_sizes = image_sizes or [padded] * len(proposals)
         original_sizes = original_sizes or image_sizes
         per_roi = self.predict_rois(roi_features, proposals, image_sizes, original_sizes)
         return [self.postprocess(scores, boxes) for scores, boxes in per_roi]
 
-    def _check_inputs(self, images: Tensor, proposals: Sequence[Tensor]) -> None:
+    def _check_teacher_scores(self, teacher_scores: RoiScores | None, proposals: Sequence[Tensor]) -> None:
+        if teacher_scores is None:
+            return
+        expected = (sum(len(p) for p in proposals), self.num_classes + 1)
+        if teacher_scores.mil.shape != expected:
+            raise ValueError(
+                f"teacher_scores.mil must be (R, C+1) = {expected} for this batch's ROIs, got"
+                f" {tuple(teacher_scores.mil.shape)}: the teacher must score the student's images and ROIs"
+            )
+
+    def _check_inputs(self, images: Tensor, proposals: Sequence[Tensor], views: int = 1) -> None:
         if images.dim() != 4 or len(proposals) != images.shape[0]:
             raise ValueError(
                 f"expected images (B, 3, H, W) and B proposal tensors; got images"
                 f" {tuple(images.shape)} and {len(proposals)} proposal tensors"
+            )
+        if views < 1 or len(proposals) % views:
+            raise ValueError(
+                f"views={views}: the batch must hold B images x V views, got {len(proposals)} images"
             )
         for i, boxes in enumerate(proposals):
             if boxes.dim() != 2 or boxes.shape[1] != 4 or boxes.shape[0] == 0:
@@ -321,9 +356,13 @@ class WeaklySupervisedDetector(nn.Module):
         image_labels: Tensor,
         targets: Sequence[Targets],
         scales: dict[str, Tensor] | None = None,
+        views: int = 1,
+        teacher_scores: RoiScores | None = None,
     ) -> dict[str, Tensor]:
         with _autocast_off(roi_features):
-            return self._losses(_full_precision(roi_features), proposals, image_labels, targets, scales)
+            return self._losses(
+                _full_precision(roi_features), proposals, image_labels, targets, scales, views, teacher_scores
+            )
 
     def _losses(
         self,
@@ -332,17 +371,26 @@ class WeaklySupervisedDetector(nn.Module):
         image_labels: Tensor,
         targets: Sequence[Targets],
         scales: dict[str, Tensor] | None = None,
+        views: int = 1,
+        teacher_scores: RoiScores | None = None,
     ) -> dict[str, Tensor]:
         """The losses; ``scales``, when given, is filled with the method's ``loss_scales``."""
         counts = [len(p) for p in proposals]
-        teacher_scores = self.mil_head(roi_features, counts)  # (R, C+1)
-        losses = {"loss_mil": mil_loss(teacher_scores, counts, image_labels)}
+        mil_scores = self.mil_head(roi_features, counts)  # (R, C+1)
+        losses = {"loss_mil": mil_loss(mil_scores, counts, image_labels)}
+        student_logits = []
         for k, logits, deltas, records in self._students_and_records(
-            roi_features, proposals, teacher_scores, targets
+            roi_features, proposals, mil_scores, targets
         ):
+            student_logits.append(logits)
             losses.update(self.method.losses(k, logits, deltas, records, proposals))
             if scales is not None:
                 scales.update(self.method.loss_scales(k, records))
+        batch = MethodBatch(
+            proposals=proposals, targets=targets, views=views, mil_scores=mil_scores,
+            student_logits=tuple(student_logits), teacher=teacher_scores,
+        )  # fmt: skip
+        losses.update(self.method.batch_losses(batch))
         if tuple(losses) != self.loss_names:  # what GradNorm and the logs count must be what is returned
             raise RuntimeError(
                 f"{type(self.method).__name__}.losses returned {list(losses)[1:]} but its loss_names"
@@ -440,6 +488,65 @@ class WeaklySupervisedDetector(nn.Module):
             results.append((image_probs, image_boxes * scale))
         return results
 
+    @torch.no_grad()
+    def roi_scores(self, images: Tensor, proposals: Sequence[Tensor]) -> RoiScores:
+        """Every head's per-ROI class probabilities on a batch, without gradients (a teacher's forward:
+        the neck runs with its inference chunking, so it holds no activations). In the module's current
+        mode; full precision, like ``predict_rois``."""
+        roi_features = self.roi_features(images, proposals)
+        with _autocast_off(roi_features):
+            roi_features = _full_precision(roi_features)
+            mil = self.mil_head(roi_features, [len(p) for p in proposals])
+            students = tuple(F.softmax(student(roi_features)[0], dim=1) for student in self.students)
+        return RoiScores(mil, students)
+
+    def teacher_inputs(self, inputs: Mapping[str, Any]) -> dict[str, Any]:
+        """As an EMA teacher: ``{"teacher_scores": RoiScores}`` on the student's images and ROIs."""
+        return {"teacher_scores": self.roi_scores(inputs["images"], inputs["proposals"])}
+
+    def predict_view(
+        self, inputs: Mapping[str, Any], flipped: Sequence[bool], settings: DetectionSettings | None = None
+    ) -> list[dict[str, Tensor]]:
+        """One test view of a batch -> per image its per-ROI ``scores`` (R, C+1), ``boxes`` (R, C+1, 4)
+        in original pixels (flips undone) and ``image_scores`` (C,), averaged over the views by
+        ``merge_views`` before the NMS (docs/METHOD.md §5). ``settings`` are not needed per view."""
+        proposals = inputs["proposals"]
+        features = self.roi_features(inputs["images"], proposals)
+        per_roi = self.predict_rois(features, proposals, inputs["image_sizes"], inputs["original_sizes"])
+        per_image = self.image_scores(features, proposals)
+        return [
+            {
+                "scores": scores,
+                "boxes": unflip_boxes(boxes, size[1]) if flip else boxes,
+                "image_scores": image,
+            }
+            for (scores, boxes), size, flip, image in zip(
+                per_roi, inputs["original_sizes"], flipped, per_image, strict=True
+            )
+        ]
+
+    def mix_predictions(self, own: dict[str, Tensor], teacher: dict[str, Tensor]) -> dict[str, Tensor]:
+        """One image-view's ``predict_view`` record mixed with its EMA teacher's on the same ROIs
+        (``model.eval_weights=mix``): class probabilities by the method's ``mix_scores``, boxes and
+        image scores averaged."""
+        return {
+            "scores": self.method.mix_scores(own["scores"], teacher["scores"]),
+            "boxes": (own["boxes"] + teacher["boxes"]) / 2,
+            "image_scores": (own["image_scores"] + teacher["image_scores"]) / 2,
+        }
+
+    def merge_views(
+        self, views: Sequence[dict[str, Tensor]], settings: DetectionSettings
+    ) -> dict[str, Tensor]:
+        """One image's ``predict_view`` records -> its detections: per-ROI scores, boxes and image scores
+        averaged over the views (every view shares the image's proposals), then ``postprocess``."""
+        total = dict(views[0])
+        for view in views[1:]:
+            total = {name: total[name] + view[name] for name in total}
+        detections = self.postprocess(total["scores"] / len(views), total["boxes"] / len(views), settings)
+        detections["image_scores"] = total["image_scores"] / len(views)
+        return detections
+
     def image_scores(self, roi_features: Tensor, proposals: Sequence[Tensor]) -> Tensor:
         """The MIL teacher's image-level class scores (B, C): per image, the sum of its ROI scores
         (docs/METHOD.md §3, the ``phi`` of the MIL loss), clamped to [0, 1], background dropped. What
@@ -450,16 +557,17 @@ class WeaklySupervisedDetector(nn.Module):
             phi = torch.stack([s.sum(dim=0) for s in roi_scores.split(counts)])
             return phi[:, 1:].clamp(0.0, 1.0)
 
-    def postprocess(self, scores: Tensor, boxes: Tensor) -> dict[str, Tensor]:
-        """One image's per-ROI scores (R, C+1) and boxes (R, C+1, 4) -> per-class NMS detections."""
+    def postprocess(
+        self, scores: Tensor, boxes: Tensor, settings: DetectionSettings | None = None
+    ) -> dict[str, Tensor]:
+        """One image's per-ROI scores (R, C+1) and boxes (R, C+1, 4) -> per-class NMS detections, with
+        ``settings`` (its own ``detection_settings`` when None)."""
+        settings = settings or self.detection_settings
         with _autocast_off(scores):
-            return self._postprocess(scores, boxes)
-
-    def _postprocess(self, scores: Tensor, boxes: Tensor) -> dict[str, Tensor]:
-        return postprocess_rois(
-            scores, boxes, score_threshold=self.score_threshold, nms_iou=self.nms_iou,
-            detections_per_image=self.detections_per_image,
-        )  # fmt: skip
+            return postprocess_rois(
+                scores, boxes, score_threshold=settings.score_threshold, nms_iou=settings.nms_iou,
+                detections_per_image=settings.detections_per_image,
+            )  # fmt: skip
 
 
 def postprocess_rois(

@@ -15,9 +15,10 @@ is the seam to the rest of wsod:
   ``x2, y2``): a target's ``x2 + 1`` (in resized pixels: ``+ w / W``) is torchvision's continuous corner,
   and detections come back with ``x2 - 1``, in original pixels, so that the devkit scores both stages
   alike. torchvision's labels are 1..C (0 is its background); wsod's 0..C-1.
-- ``detect`` (one view of a batch) and ``postprocess`` (per-class NMS of per-ROI scores, the weakly
-  supervised detector's contract, used by the random baseline) serve ``wsod.engine.inference.predict``,
-  which merges the test views' detections by NMS (``merge_views``).
+- it implements the detector contract (``wsod.modeling.protocol.Detector``): ``predict_view`` (one
+  view of a batch, torchvision's detections with the caller's ``DetectionSettings``, flips undone) and
+  ``merge_views`` (the views' detections merged by NMS) serve ``wsod.engine.inference.predict``;
+  ``postprocess`` (per-class NMS of per-ROI scores) serves the random baseline.
 
 The backbone is wsod's ResNet trunk (``wsod.modeling.resnet.build_resnet_trunk``: ImageNet weights by
 torchvision name or local file, a width multiplier for the CPU toy, frozen or train-mode BatchNorm)
@@ -26,7 +27,9 @@ read through torchvision's ``BackboneWithFPN`` at strides 4 to 32, plus the max-
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Collection, Iterator, Mapping, Sequence
+from contextlib import contextmanager
+from typing import Any
 
 import torch
 from torch import Tensor, nn
@@ -34,9 +37,11 @@ from torchvision.models.detection import FasterRCNN
 from torchvision.models.detection.anchor_utils import AnchorGenerator
 from torchvision.models.detection.backbone_utils import BackboneWithFPN
 from torchvision.models.detection.faster_rcnn import FastRCNNPredictor, TwoMLPHead
+from torchvision.models.detection.roi_heads import RoIHeads
 from torchvision.models.detection.transform import GeneralizedRCNNTransform
 
 from wsod.modeling.detector import per_class_nms, postprocess_rois
+from wsod.modeling.protocol import DetectionSettings, TrainingOutput, check_keep, unflip_boxes
 from wsod.modeling.resnet import build_resnet_trunk, stage_channels
 
 __all__ = [
@@ -80,28 +85,29 @@ class FasterRCNNDetector(nn.Module):
     def num_classes(self) -> int:
         return self._num_classes
 
-    # The post-processing settings, named as the weakly-supervised detector names them (the evaluator's
-    # random baseline and tools/export_pseudo_labels.py read them).
     @property
-    def nms_iou(self) -> float:
-        return self.detector.roi_heads.nms_thresh
+    def detection_settings(self) -> DetectionSettings:
+        """Its own post-processing settings: torchvision's ``box_score_thresh``, ``box_nms_thresh`` and
+        ``box_detections_per_img``."""
+        heads = self.detector.roi_heads
+        return DetectionSettings(heads.score_thresh, heads.nms_thresh, heads.detections_per_img)
 
-    @property
-    def score_threshold(self) -> float:
-        return self.detector.roi_heads.score_thresh
+    # Its region proposal network makes the boxes: prediction needs none from the data.
+    makes_proposals = True
 
-    @property
-    def detections_per_image(self) -> int:
-        return self.detector.roi_heads.detections_per_img
+    def module_groups(self) -> dict[str, list[nn.Module]]:
+        """The EMA teacher's groups: the ResNet trunk, the FPN, and the RPN with the box head."""
+        backbone = self.detector.backbone
+        return {
+            "backbone": [backbone.body],
+            "neck": [backbone.fpn],
+            "heads": [self.detector.rpn, self.detector.roi_heads],
+        }
 
-    @detections_per_image.setter
-    def detections_per_image(self, value: int) -> None:
-        self.detector.roi_heads.detections_per_img = value
-
-    @property
-    def dropblock(self) -> None:
-        """No Concrete DropBlock (``wsod.build`` asks every detector)."""
-        return None
+    def teacher_inputs(self, inputs: Mapping[str, Any]) -> dict[str, Any]:
+        """As a teacher: nothing yet (its student reads no teacher output; a third stage gives its
+        detections here)."""
+        return {}
 
     def forward(
         self,
@@ -111,12 +117,19 @@ class FasterRCNNDetector(nn.Module):
         image_sizes: Sequence[tuple[int, int]] | None = None,
         original_sizes: Sequence[tuple[int, int]] | None = None,
         targets: Sequence[dict[str, Tensor]] | None = None,
-    ) -> dict[str, Tensor]:
+        views: int = 1,
+        *,
+        keep: Collection[str] = (),
+    ) -> TrainingOutput:
         """Training losses of a collated batch: images (B, 3, Hp, Wp) padded, ``image_sizes`` their
         unpadded (h, w), ``original_sizes`` (H, W) on disk, ``targets`` with ``boxes`` (G, 4) in resized
-        pixels and ``box_labels`` (G,) in 0..C-1. ``proposals`` and ``image_labels`` are not used."""
+        pixels and ``box_labels`` (G,) in 0..C-1. ``proposals`` and ``image_labels`` are not used; each
+        of ``views`` views is an image of its own. ``keep``: torchvision's heads expose no ROI features,
+        so only ``()`` is accepted."""
+        if check_keep(keep):
+            raise ValueError(f"FasterRCNNDetector keeps nothing besides its losses, asked for {sorted(keep)}")
         if not self.training:
-            raise RuntimeError("FasterRCNNDetector.forward computes training losses; detect() predicts")
+            raise RuntimeError("FasterRCNNDetector.forward computes training losses; predict_view predicts")
         if targets is None or image_sizes is None or original_sizes is None:
             raise ValueError("FasterRCNNDetector.forward needs image_sizes, original_sizes and targets")
         missing = [i for i, t in enumerate(targets) if "boxes" not in t or "box_labels" not in t]
@@ -129,7 +142,7 @@ class FasterRCNNDetector(nn.Module):
             {"boxes": _to_continuous(t["boxes"], size, original), "labels": t["box_labels"].long() + 1}
             for t, size, original in zip(targets, image_sizes, original_sizes, strict=True)
         ]
-        return self.detector(_unpadded(images, image_sizes), torchvision_targets)
+        return TrainingOutput(self.detector(_unpadded(images, image_sizes), torchvision_targets))
 
     @torch.no_grad()
     def detect(
@@ -137,12 +150,15 @@ class FasterRCNNDetector(nn.Module):
         images: Tensor,
         image_sizes: Sequence[tuple[int, int]],
         original_sizes: Sequence[tuple[int, int]],
+        settings: DetectionSettings | None = None,
     ) -> list[dict[str, Tensor]]:
         """One view's detections per image: ``boxes`` (D, 4) wsod boxes in original pixels, ``scores``
-        (D,), ``labels`` (D,) in 0..C-1, after torchvision's per-class NMS and score threshold."""
+        (D,), ``labels`` (D,) in 0..C-1, after torchvision's per-class NMS and score threshold
+        (``settings``; its own when None)."""
         was_training = self.training
         self.eval()
-        outputs = self.detector(_unpadded(images, image_sizes))
+        with _roi_heads_settings(self.detector.roi_heads, settings or self.detection_settings):
+            outputs = self.detector(_unpadded(images, image_sizes))
         self.train(was_training)
         return [
             {
@@ -153,13 +169,49 @@ class FasterRCNNDetector(nn.Module):
             for out, size, original in zip(outputs, image_sizes, original_sizes, strict=True)
         ]
 
-    def postprocess(self, scores: Tensor, boxes: Tensor) -> dict[str, Tensor]:
-        """Per-ROI scores (R, C+1) and boxes (R, C+1, 4) -> detections, with this detector's threshold,
-        per-class NMS and cap (torchvision's rules; the evaluator's chance level calls it)."""
-        return postprocess_rois(
-            scores, boxes, score_threshold=self.score_threshold, nms_iou=self.nms_iou,
-            detections_per_image=self.detections_per_image,
+    def predict_view(
+        self, inputs: Mapping[str, Any], flipped: Sequence[bool], settings: DetectionSettings
+    ) -> list[dict[str, Tensor]]:
+        """One test view of a batch -> per image its detections (``detect``), flips mirrored back."""
+        found = self.detect(inputs["images"], inputs["image_sizes"], inputs["original_sizes"], settings)
+        return [
+            {**det, "boxes": unflip_boxes(det["boxes"].float(), size[1]) if flip else det["boxes"].float(),
+             "scores": det["scores"].float()}
+            for det, size, flip in zip(found, inputs["original_sizes"], flipped, strict=True)
+        ]  # fmt: skip
+
+    def merge_views(
+        self, views: Sequence[dict[str, Tensor]], settings: DetectionSettings
+    ) -> dict[str, Tensor]:
+        """One image's detections of every view -> one set (``merge_views``: union, per-class NMS)."""
+        return merge_views(
+            views, nms_iou=settings.nms_iou, detections_per_image=settings.detections_per_image,
+            num_classes=self.num_classes,
         )  # fmt: skip
+
+    def postprocess(
+        self, scores: Tensor, boxes: Tensor, settings: DetectionSettings | None = None
+    ) -> dict[str, Tensor]:
+        """Per-ROI scores (R, C+1) and boxes (R, C+1, 4) -> detections, with ``settings`` (its own,
+        torchvision's rules, when None; the evaluator's chance level calls it)."""
+        settings = settings or self.detection_settings
+        return postprocess_rois(
+            scores, boxes, score_threshold=settings.score_threshold, nms_iou=settings.nms_iou,
+            detections_per_image=settings.detections_per_image,
+        )  # fmt: skip
+
+
+@contextmanager
+def _roi_heads_settings(heads: RoIHeads, settings: DetectionSettings) -> Iterator[None]:
+    """torchvision's box head post-processes with its own attributes: set for one call, then restored,
+    so that a caller's settings (the export's cap) never outlive the call."""
+    saved = (heads.score_thresh, heads.nms_thresh, heads.detections_per_img)
+    heads.score_thresh, heads.nms_thresh = settings.score_threshold, settings.nms_iou
+    heads.detections_per_img = settings.detections_per_image
+    try:
+        yield
+    finally:
+        heads.score_thresh, heads.nms_thresh, heads.detections_per_img = saved
 
 
 def merge_views(

@@ -22,7 +22,14 @@ configs (``configs/method/*.yaml``).
 
 Targets (one dict per image, from the data loader): ``"labels"`` (C,) multi-hot, always; optional
 supervision in the resized, flipped image's pixels, e.g. ``"points"`` (P, 2) xy with ``"point_labels"``
-(P,), ``"boxes"`` (G, 4) xyxy with ``"box_labels"`` (G,). A method reads what it understands.
+(P,), ``"boxes"`` (G, 4) xyxy with ``"box_labels"`` (G,); ``"proposal_ids"`` (R,) int64, each ROI's
+index in its image's proposal list (the same in every view of the image). A method reads what it
+understands.
+
+Beyond the per-student losses, a method may add losses over the whole batch (``batch_losses``): it then
+sees every view of each image (``MethodBatch``: the batch holds B images x V views, image-major), every
+head's outputs, and the EMA teacher's per-ROI scores (``RoiScores``) when the run has a teacher
+(``solver.ema``). Their names come last in ``loss_names``.
 """
 
 from __future__ import annotations
@@ -35,7 +42,7 @@ from typing import ClassVar
 import torch
 from torch import Tensor
 
-__all__ = ["PseudoLabels", "RefinementMethod", "check_source_scores"]
+__all__ = ["PseudoLabels", "RoiScores", "MethodBatch", "RefinementMethod", "check_source_scores"]
 
 
 @dataclass(frozen=True)
@@ -96,6 +103,67 @@ class PseudoLabels:
         return self.labels.shape[0]
 
 
+@dataclass(frozen=True)
+class RoiScores:
+    """A weakly-supervised detector's per-ROI class probabilities on a batch (R = the batch's ROIs,
+    images in order; column 0 the background), detached.
+
+    mil: (R, C+1) the MIL head's (softmax over classes x softmax over each image's ROIs);
+    students: K x (R, C+1), each student's softmax (none for a method without students).
+    """
+
+    mil: Tensor
+    students: tuple[Tensor, ...] = ()
+
+    @property
+    def detection(self) -> Tensor:
+        """(R, C+1) the scores the detector predicts with: the students' mean, or the MIL head's when
+        there are no students (``WeaklySupervisedDetector.predict_rois``)."""
+        if not self.students:
+            return self.mil
+        return torch.stack(self.students).mean(dim=0)
+
+
+@dataclass(frozen=True)
+class MethodBatch:
+    """One training batch as ``RefinementMethod.batch_losses`` sees it (full precision).
+
+    proposals: B x V tensors (R_j, 4), view v of image i at ``j = i * V + v``, in that view's pixels;
+    targets: the B x V targets dicts in the same order (``"proposal_ids"`` (R_j,) maps each ROI of a
+        view to its image's proposal list: ROI a of one view and ROI b of another are the same box
+        when their ids are equal);
+    views: V;
+    mil_scores: (R, C+1) the MIL head's ROI scores (with their graph);
+    student_logits: K x (R, C+1) each student's logits (with their graph);
+    teacher: the EMA teacher's ``RoiScores`` on the same views and ROIs, or None without a teacher.
+    """
+
+    proposals: Sequence[Tensor]
+    targets: Sequence[Mapping[str, Tensor]]
+    views: int
+    mil_scores: Tensor
+    student_logits: tuple[Tensor, ...]
+    teacher: RoiScores | None = None
+
+    @property
+    def counts(self) -> list[int]:
+        """R_j, the ROIs of each image-view."""
+        return [len(p) for p in self.proposals]
+
+    def by_view(self, per_roi: Tensor) -> list[list[Tensor]]:
+        """A per-ROI tensor (R, ...) -> ``[image i][view v]`` its (R_iv, ...) rows."""
+        parts = per_roi.split(self.counts)
+        return [list(parts[i : i + self.views]) for i in range(0, len(parts), self.views)]
+
+    def proposal_ids(self) -> list[list[Tensor]]:
+        """``[image i][view v]`` the (R_iv,) proposal ids (``arange`` when the targets carry none)."""
+        ids = [
+            t["proposal_ids"] if "proposal_ids" in t else torch.arange(len(p), device=p.device)
+            for t, p in zip(self.targets, self.proposals, strict=True)
+        ]
+        return [ids[i : i + self.views] for i in range(0, len(ids), self.views)]
+
+
 class RefinementMethod(ABC):
     """How each student learns: per image pseudo-labels (no gradient), per student losses.
 
@@ -150,6 +218,16 @@ class RefinementMethod(ABC):
         """The student's named scalar losses: logits (R, C+1) (column 0 background) and box deltas
         (R, 4 (C+1); None when ``box_regression`` is False) of the whole batch (images concatenated in
         order, R = sum R_i); records and proposals (R_i, 4) one per image, in the same order."""
+
+    def batch_losses(self, batch: MethodBatch) -> dict[str, Tensor]:
+        """Losses over the whole batch (every view, every head, the EMA teacher's scores), after the
+        students' own; their names end ``loss_names``. Default: none."""
+        return {}
+
+    def mix_scores(self, student: Tensor, teacher: Tensor) -> Tensor:
+        """The per-ROI class probabilities (R, C+1) evaluation uses with ``model.eval_weights=mix``,
+        from the student's and the EMA teacher's on the same ROIs. Default: their mean."""
+        return (student + teacher) / 2
 
     def loss_scales(self, student: int, records: Sequence[PseudoLabels]) -> dict[str, Tensor]:
         """How much pseudo-label weight each of the student's losses carries on this batch: a detached

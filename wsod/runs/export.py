@@ -17,6 +17,7 @@ from __future__ import annotations
 import json
 import logging
 import sys
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -85,10 +86,9 @@ def _export_in(out_dir: Path, cfg: DictConfig, device: torch.device) -> dict[str
     _check_distinct_ids(records)
     rule = _rule(cfg, classes)
     test = cfg.data.test
-    if cfg.detections_per_image is not None:
-        model.detections_per_image = cfg.detections_per_image
-    else:  # every detection after NMS: the rule, not a cap, decides what is kept
-        model.detections_per_image = sys.maxsize
+    # Without a cap, every detection after NMS: the rule, not a cap, decides what is kept.
+    cap = sys.maxsize if cfg.detections_per_image is None else cfg.detections_per_image
+    settings = replace(model.detection_settings, detections_per_image=cap)
     logger.info(
         "exporting pseudo boxes of %s on %d training images (%s), views %s%s, rule %s",
         cfg.checkpoint, len(records), ", ".join(str(dict(s)) for s in cfg.data.train.sets), list(test.scales),
@@ -98,7 +98,7 @@ def _export_in(out_dir: Path, cfg: DictConfig, device: torch.device) -> dict[str
         detections = predict(
             model, dataset, scales=list(test.scales), max_size=test.max_size, flip=test.flip,
             batch_size=test.batch_size, num_workers=test.num_workers, device=device, amp=test.amp,
-            progress=cfg.progress,
+            progress=cfg.progress, settings=settings,
         )  # fmt: skip
     chosen, whole_image = [], 0
     for record, found in zip(records, detections, strict=True):

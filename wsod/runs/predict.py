@@ -40,7 +40,6 @@ from wsod.directory_lock import LOCK_FILE
 from wsod.engine.inference import predict
 from wsod.engine.visualize import draw_detections, save_png
 from wsod.evaluation.coco import save_coco_results, to_named_results
-from wsod.modeling.faster_rcnn import FasterRCNNDetector
 from wsod.runs.prologue import run_in_directory
 
 __all__ = ["predict_from_config", "PREDICTION_FILES"]
@@ -100,7 +99,7 @@ def _predict_in(out_dir: Path, cfg: DictConfig, device: torch.device) -> dict[st
     model, metadata = load_detector(cfg.checkpoint, device, trust=cfg.trust_checkpoint)
     classes = list(metadata["classes"])
     scales, max_size, flip, max_proposals = _views(cfg, metadata)
-    proposes_itself = isinstance(model, FasterRCNNDetector)  # a second stage: its RPN makes the boxes
+    proposes_itself = model.makes_proposals  # a second stage: its RPN makes the boxes
     proposals = None if cfg.proposals is None or proposes_itself else load_proposals(cfg.proposals)
     mode = None if proposes_itself else cfg.selective_search
     source = f"proposals {cfg.proposals}" if cfg.proposals else f"Selective Search ({cfg.selective_search})"
