@@ -1,6 +1,7 @@
 """wsod/build.py's parts of a training run besides its model, data and optimizer: the companions of the
-``COMPANIONS`` registry in its order (the adversary's update before GradNorm's; a new companion is one
-entry), and the loader, the checkpointer and the pseudo-label previews from their config keys."""
+``COMPANIONS`` registry in its order (the adversary's update before GradNorm's, the EMA teacher last; a
+new companion is one entry), and the loader, the checkpointer and the pseudo-label previews from their
+config keys."""
 
 from __future__ import annotations
 
@@ -24,6 +25,7 @@ from wsod.build import (
 from wsod.engine.adversarial import DropBlockAdversary
 from wsod.engine.balancing import LossBalancer
 from wsod.engine.companion import Companion
+from wsod.engine.ema import EMATeacher
 
 ROOT = Path(__file__).resolve().parents[1]
 TINY_MODEL = {"backbone": "resnet18", "width": 0.25, "weights": None, "chunk_size": 8}
@@ -40,20 +42,25 @@ def _model(dropblock: bool):
 
 
 @pytest.mark.parametrize(
-    ("dropblock", "gradnorm", "expected"),
+    ("dropblock", "gradnorm", "ema", "expected"),
     [
-        (False, False, []),
-        (True, False, [DropBlockAdversary]),
-        (False, True, [LossBalancer]),
-        (True, True, [DropBlockAdversary, LossBalancer]),
+        (False, False, False, []),
+        (True, False, False, [DropBlockAdversary]),
+        (False, True, False, [LossBalancer]),
+        (False, False, True, [EMATeacher]),
+        (True, True, False, [DropBlockAdversary, LossBalancer]),
+        (True, True, True, [DropBlockAdversary, LossBalancer, EMATeacher]),
     ],
 )
 def test_the_companions_a_config_turns_on_come_in_the_registrys_order(
-    tmp_path, dropblock, gradnorm, expected
+    tmp_path, dropblock, gradnorm, ema, expected
 ):
-    assert list(COMPANIONS) == ["dropblock_adversary", "gradnorm"]  # the adversary steps first
-    cfg = _config(tmp_path, **{"solver.gradnorm.enabled": str(gradnorm).lower()})
-    companions = build_companions(cfg.solver, _model(dropblock), CPU)
+    # The adversary steps first; the EMA teacher averages the weights both others have updated.
+    assert list(COMPANIONS) == ["dropblock_adversary", "gradnorm", "ema_teacher"]
+    cfg = _config(
+        tmp_path, **{"solver.gradnorm.enabled": str(gradnorm).lower(), "solver.ema.enabled": str(ema).lower()}
+    )
+    companions = build_companions(cfg, _model(dropblock), CPU)
     assert [type(c) for c in companions] == expected
 
 
@@ -63,11 +70,11 @@ def test_a_new_companion_is_one_registry_entry(tmp_path, monkeypatch):
 
     seen = []
     monkeypatch.setitem(
-        build.COMPANIONS, "teacher", lambda solver, model, device: seen.append(device) or Teacher()
+        build.COMPANIONS, "teacher", lambda cfg, model, device: seen.append(device) or Teacher()
     )
-    monkeypatch.setitem(build.COMPANIONS, "off", lambda solver, model, device: None)  # left off by its config
+    monkeypatch.setitem(build.COMPANIONS, "off", lambda cfg, model, device: None)  # left off by its config
     cfg = _config(tmp_path, **{"solver.gradnorm.enabled": "true"})
-    companions = build_companions(cfg.solver, _model(True), CPU)
+    companions = build_companions(cfg, _model(True), CPU)
     assert [type(c) for c in companions] == [DropBlockAdversary, LossBalancer, Teacher] and seen == [CPU]
 
 

@@ -209,6 +209,21 @@ def test_a_config_saved_before_partial_labels_resumes_and_a_new_side_file_is_ref
         resume_changes(after, _config(["data.train.roi_sampling.rois_per_image=512"]))
 
 
+def test_a_config_saved_before_views_and_the_ema_teacher_resumes_and_changing_views_is_refused():
+    from omegaconf import OmegaConf
+
+    after = _config([])
+    before = OmegaConf.to_container(after, resolve=True)
+    del before["data"]["train"]["views"], before["model"]["eval_weights"], before["solver"]["ema"]
+    changes = resume_changes(before, after)  # one view, the student evaluated: the same run
+    assert changes and all(line.startswith("solver.ema.") for line in changes)  # a companion may start
+    with pytest.raises(ConfigError, match=r"data.train.views: 1 -> 2 \(the training images"):
+        resume_changes(after, _config(["data.train.views=2"]))
+    assert resume_changes(after, _config(["model.eval_weights=teacher"])) == [
+        "model.eval_weights: 'student' -> 'teacher'"
+    ]
+
+
 def test_the_roi_sampling_keys_are_checked():
     with pytest.raises(ConfigError) as error:
         check_config(

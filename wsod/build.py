@@ -25,13 +25,14 @@ from wsod.data.loader import build_train_loader
 from wsod.data.pseudo_boxes import attach_pseudo_boxes
 from wsod.data.roi_sampling import PartialLabelRoiSampler
 from wsod.data.targets import check_supervision
-from wsod.data.transforms import train_transform
+from wsod.data.transforms import MultiViewTransform, train_transform
 from wsod.distributed import main_process_first
 from wsod.engine.adversarial import DropBlockAdversary
 from wsod.engine.amp import resolve_amp
 from wsod.engine.balancing import LossBalancer
 from wsod.engine.checkpoint import Checkpointer, load_checkpoint
 from wsod.engine.companion import Companion
+from wsod.engine.ema import EMATeacher
 from wsod.engine.evaluate import Evaluator
 from wsod.engine.pseudo_label_preview import TAG as PREVIEW_TAG
 from wsod.engine.pseudo_label_preview import PseudoLabelPreview
@@ -46,7 +47,9 @@ from wsod.modeling.detector import (
 from wsod.modeling.faster_rcnn import ARCHITECTURE as FASTER_RCNN
 from wsod.modeling.faster_rcnn import FasterRCNNDetector, build_faster_rcnn
 from wsod.modeling.method import RefinementMethod
+from wsod.modeling.protocol import Detector
 from wsod.modeling.refinement import MISTLabeler, OICRLabeler, PseudoLabeler
+from wsod.modeling.teacher_student import TeacherStudentPair
 
 __all__ = [
     "LABELERS",
@@ -67,6 +70,7 @@ __all__ = [
     "build_optimizer",
     "build_adversary",
     "build_balancer",
+    "build_ema_teacher",
     "build_scheduler",
     "COMPANIONS",
     "build_companions",
@@ -140,8 +144,10 @@ def build_model(
     ``build_detector``'s default when absent)."""
     method_settings = _plain(method_cfg)
     students = {"num_students": method_settings["num_students"]} if "num_students" in method_settings else {}
+    model_settings = _plain(model_cfg)
+    model_settings.pop("eval_weights", None)  # which weights evaluations use: the EMA teacher's concern
     return build_detector(
-        num_classes=num_classes, method=build_method(method_settings), **students, **_plain(model_cfg)
+        num_classes=num_classes, method=build_method(method_settings), **students, **model_settings
     )
 
 
@@ -156,14 +162,20 @@ def build_stage2_model(detector_cfg: DictConfig | dict, num_classes: int) -> Fas
 
 
 def load_detector(
-    checkpoint_path: str | Path, map_location: str | torch.device = "cpu", *, trust: bool = False
-) -> tuple[WeaklySupervisedDetector | FasterRCNNDetector, dict[str, Any]]:
+    checkpoint_path: str | Path,
+    map_location: str | torch.device = "cpu",
+    *,
+    trust: bool = False,
+    eval_weights: str | None = None,
+) -> tuple[Detector, dict[str, Any]]:
     """The detector a wsod checkpoint holds, rebuilt from the settings stored in it, with its weights;
     returns ``(model, metadata)`` (``metadata["classes"]``: the class names). The model is in eval mode
     on ``map_location``. ImageNet weights are never fetched: the checkpoint holds every weight. A
     second-stage checkpoint (``metadata["architecture"] == "faster_rcnn"``, tools/train_stage2.py) gives
     its ``FasterRCNNDetector``. ``trust``: read the file with the full unpickler (``load_checkpoint``;
-    the tools' ``trust_checkpoint=true``)."""
+    the tools' ``trust_checkpoint=true``). ``eval_weights``: ``student``, ``teacher`` (the EMA
+    teacher's weights the file holds) or ``mix`` (both, ``TeacherStudentPair``); None: the run's own
+    ``model.eval_weights``."""
     checkpoint = load_checkpoint(checkpoint_path, map_location, trust=trust)
     metadata = dict(checkpoint.get("metadata") or {})
     if "model" not in metadata or "classes" not in metadata:
@@ -171,17 +183,33 @@ def load_detector(
             f"{checkpoint_path} holds no model settings (metadata.model, metadata.classes): not a wsod"
             " checkpoint?"
         )
+    model = _rebuild(metadata)
+    model.load_state_dict(checkpoint["model"])
+    eval_weights = eval_weights or str(metadata["model"].get("eval_weights", "student"))
+    if eval_weights != "student":
+        # model_final.pth holds the teacher under "teacher"; a periodic checkpoint in its companion's state.
+        state = checkpoint.get("teacher") or (checkpoint.get(EMATeacher.name) or {}).get("teacher")
+        if state is None:
+            raise ValueError(
+                f"{checkpoint_path}: eval_weights={eval_weights} needs the EMA teacher's weights, which the"
+                " file does not hold (trained without solver.ema.enabled?): evaluate the student"
+            )
+        teacher = _rebuild(metadata)
+        teacher.load_state_dict(state)
+        model = teacher if eval_weights == "teacher" else TeacherStudentPair(model, teacher)
+    return model.to(map_location).eval(), metadata
+
+
+def _rebuild(metadata: dict[str, Any]) -> Detector:
+    """A checkpoint's detector from its stored settings, without weights (ImageNet's never fetched)."""
+    num_classes = len(metadata["classes"])
     if metadata.get("architecture") == FASTER_RCNN:
-        model = build_stage2_model({**metadata["model"], "weights": None}, len(metadata["classes"]))
-        model.load_state_dict(checkpoint["model"])
-        return model.to(map_location).eval(), metadata
+        return build_stage2_model({**metadata["model"], "weights": None}, num_classes)
     # Settings in an older checkpoint's layout (the method's among the model's) are read too.
     model_settings, method_settings = upgrade_model_settings(
         metadata["model"], _plain(metadata.get("method"))
     )
-    model = build_model({**model_settings, "weights": None}, len(metadata["classes"]), method_settings)
-    model.load_state_dict(checkpoint["model"])
-    return model.to(map_location).eval(), metadata
+    return build_model({**model_settings, "weights": None}, num_classes, method_settings)
 
 
 def prepare_data(data_cfg: DictConfig, progress: bool = False) -> None:
@@ -223,21 +251,27 @@ def _open(
     )
 
 
-def _train_transform(train: DictConfig):
-    """The random training transform of a ``data.train`` node (scales, flip, lighting)."""
+def _train_transform(train: DictConfig, *, sample_rois: bool = False):
+    """The random training transform of a ``data.train`` node (scales, flip, lighting), then the ROI
+    sampling of images with points or scribbles when ``sample_rois`` (and ``data.train.roi_sampling`` is
+    set), as one per-view transform; with ``data.train.views`` > 1, that transform drawn once per view
+    (``MultiViewTransform``: each view samples its own ROIs). One view keeps the plain transform, so
+    items stay the dicts they were."""
     flip = 0.5 if train.flip else 0.0
     scales, lighting = list(train.scales), train.lighting_std
-    return train_transform(scales, train.max_size, flip_prob=flip, lighting_std=lighting)
+    transform = train_transform(scales, train.max_size, flip_prob=flip, lighting_std=lighting)
+    sampling = train.get("roi_sampling") if sample_rois else None
+    if sampling is not None:  # images with points or scribbles train on a sample of their ROIs
+        sampler = PartialLabelRoiSampler(sampling.rois_per_image, sampling.positive_fraction)
+        transform = v2.Compose([transform, sampler])
+    views = train.get("views", 1)
+    return transform if views == 1 else MultiViewTransform(transform, views)
 
 
 def build_train_dataset(data_cfg: DictConfig) -> Dataset:
     """The training images of ``data.train`` (several sets are concatenated) with random transforms."""
     train = data_cfg.train
-    transform = _train_transform(train)
-    sampling = train.get("roi_sampling")
-    if sampling is not None:  # images with points or scribbles train on a sample of their ROIs
-        sampler = PartialLabelRoiSampler(sampling.rois_per_image, sampling.positive_fraction)
-        transform = v2.Compose([transform, sampler])
+    transform = _train_transform(train, sample_rois=True)
     # docs/METHOD.md §9: COCO images without any label are dropped from training (the format says).
     drop = _format(data_cfg).drop_unlabelled_in_training
     sets = [
@@ -385,7 +419,7 @@ def build_adversary(
 ) -> DropBlockAdversary | None:
     """The adversarial DropBlock step (``solver.dropblock``) when the model has a DropBlock, else None.
     Its schedule shares the detector's milestones (the reference's steps are the same)."""
-    if model.dropblock is None:
+    if getattr(model, "dropblock", None) is None:  # only the weakly-supervised detector may have one
         return None
     settings = solver_cfg.dropblock
     optimizer = _build_optimizer(
@@ -434,20 +468,41 @@ def build_scheduler(
 
 # -- what a training run holds besides its model, data and optimizer (wsod.runs.train, wsod.runs.stage2) --
 
-# The training extras of a run (``wsod.engine.companion``), by name: each builder returns its companion, or
-# None when the config leaves it off. The order is the order the training loop calls them in each step:
-# the adversary's update runs before GradNorm's. A new companion is one entry here.
-COMPANIONS: dict[str, Callable[[DictConfig, WeaklySupervisedDetector, torch.device], Companion | None]] = {
-    "dropblock_adversary": build_adversary,
-    "gradnorm": build_balancer,
+
+def build_ema_teacher(
+    solver_cfg: DictConfig, model: Detector, device: torch.device, eval_weights: str = "student"
+) -> EMATeacher | None:
+    """The EMA teacher of ``model`` (``solver.ema``), evaluated as ``eval_weights`` says
+    (``model.eval_weights``), or None when off."""
+    settings = solver_cfg.get("ema")
+    if settings is None or not settings.enabled:
+        return None
+    return EMATeacher(
+        model,
+        momentum=settings.momentum,
+        schedule=str(settings.schedule),
+        follow=[str(group) for group in settings.follow],
+        eval_weights=str(eval_weights),
+    )
+
+
+# The training extras of a run (``wsod.engine.companion``), by name: each builder takes the run's config
+# (configs/train.yaml), the (unwrapped) model and the device, and returns its companion, or None when the
+# config leaves it off. The order is the order the training step calls them: the adversary's update runs
+# before GradNorm's, and the EMA teacher averages the weights both have updated. A new companion is one
+# entry here.
+COMPANIONS: dict[str, Callable[[DictConfig, Detector, torch.device], Companion | None]] = {
+    "dropblock_adversary": lambda cfg, model, device: build_adversary(cfg.solver, model, device),
+    "gradnorm": lambda cfg, model, device: build_balancer(cfg.solver, model, device),
+    "ema_teacher": lambda cfg, model, device: build_ema_teacher(
+        cfg.solver, model, device, (cfg.get("model") or {}).get("eval_weights", "student")
+    ),
 }
 
 
-def build_companions(
-    solver_cfg: DictConfig, model: WeaklySupervisedDetector, device: torch.device
-) -> list[Companion]:
-    """The training extras ``solver_cfg`` turns on for ``model``, in ``COMPANIONS``' order."""
-    built = (build(solver_cfg, model, device) for build in COMPANIONS.values())
+def build_companions(cfg: DictConfig, model: Detector, device: torch.device) -> list[Companion]:
+    """The training extras the run config ``cfg`` turns on for ``model``, in ``COMPANIONS``' order."""
+    built = (build(cfg, model, device) for build in COMPANIONS.values())
     return [companion for companion in built if companion is not None]
 
 

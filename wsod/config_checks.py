@@ -200,6 +200,7 @@ _COMMON = {
     "data.train.max_proposals": _integer(1, optional=True),
     "data.train.num_workers": _integer(0),
     "data.train.lighting_std": _number(0),
+    "data.train.views": _integer(1),
     "data.train.roi_sampling.rois_per_image": _integer(1),
     "data.train.roi_sampling.positive_fraction": _Rule(
         lambda v: _is_number(v) and 0 < v <= 1, "a number > 0 and <= 1, e.g. 0.25"
@@ -256,6 +257,8 @@ TRAIN_RULES: dict[str, _Rule] = {
     "solver.gamma": _number(0, above=True),
     "solver.warmup_iters": _integer(0),
     "solver.warmup_factor": _number(0, 1, above=True),
+    # 1 would never move the teacher (wsod.engine.ema.EMATeacher refuses it too).
+    "solver.ema.momentum": _Rule(lambda v: _is_number(v) and 0 <= v < 1, "a number in [0, 1)"),
     "solver.dropblock.lr": _number(0, above=True),
     "solver.dropblock.momentum": _number(0, 1),
     "solver.dropblock.weight_decay": _number(0),
@@ -294,10 +297,10 @@ _RUN_KEYS = (
 STAGE2_RULES: dict[str, _Rule] = {
     **_COMMON,
     **{key: TRAIN_RULES[key] for key in _RUN_KEYS},
-    **{  # the solver's own keys; the second stage has no DropBlock step and no GradNorm
+    **{  # the solver's own keys; the second stage has no DropBlock step, no GradNorm, no EMA teacher
         key: rule
         for key, rule in TRAIN_RULES.items()
-        if key.startswith("solver.") and key.split(".")[1] not in ("dropblock", "gradnorm")
+        if key.startswith("solver.") and key.split(".")[1] not in ("dropblock", "gradnorm", "ema")
     },
     "pseudo_labels": _path("pseudo_labels=runs/my_run/pseudo_labels/pseudo_labels.json"),
     "detector.name": _choice("faster_rcnn"),
@@ -383,6 +386,7 @@ def check_config(cfg: DictConfig | Mapping[str, Any], rules: Mapping[str, _Rule]
         problems += _auto_chunk_problems(flat)
         problems += _student_problems(flat)
         problems += _partial_label_problems(flat)
+        problems += _teacher_problems(flat)
         method, method_problems = _method_problems(values.get("method"))
         problems += method_problems + _gradnorm_problems(values, method)
     if problems:
@@ -422,6 +426,23 @@ def _gradnorm_problems(values: Mapping[str, Any], method: Any) -> list[str]:
     except (TypeError, ValueError) as error:
         return [f"solver.gradnorm: {error}"]
     return []
+
+
+def _teacher_problems(flat: Mapping[str, Any]) -> list[str]:
+    """Evaluating the EMA teacher needs one, and a teacher that follows nothing is a frozen copy."""
+    problems = []
+    eval_weights = flat.get("model.eval_weights", "student")
+    if eval_weights != "student" and not flat.get("solver.ema.enabled", False):
+        problems.append(
+            f"model.eval_weights={eval_weights}: evaluates the EMA teacher, which this run does not train;"
+            " set solver.ema.enabled=true, or model.eval_weights=student"
+        )
+    if flat.get("solver.ema.enabled", False) and not flat.get("solver.ema.follow"):
+        problems.append(
+            "solver.ema.follow=[]: the teacher would follow no module (a frozen copy of the initial"
+            " weights); list some of backbone, neck, heads"
+        )
+    return problems
 
 
 def _student_problems(flat: Mapping[str, Any]) -> list[str]:
@@ -512,6 +533,7 @@ _FIXED_ON_RESUME = {
 # Inside those prefixes, these may change: they do not touch weights or data order.
 _FREE_ON_RESUME = (
     "data.train.num_workers",
+    "model.eval_weights",  # which weights evaluations read; no weight depends on it
     "model.chunk_size",
     "model.test_chunk_size",
     "model.memory_budget_gb",

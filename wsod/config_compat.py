@@ -71,6 +71,8 @@ def upgrade_saved_config(saved: Mapping[str, Any], like: Mapping[str, Any] | Non
     config = copy.deepcopy(dict(saved))
     if isinstance(config.get("model"), Mapping):
         config["model"], config["method"] = upgrade_model_settings(config["model"], config.get("method"))
+        if "backbone" in config["model"]:  # a first-stage model: before the EMA teacher, the student
+            config["model"].setdefault("eval_weights", "student")
     solver = config.get("solver")
     if isinstance(solver, Mapping) and isinstance(solver.get("gradnorm"), Mapping):
         for key, value in _GRADNORM_BEFORE_ITS_SETTINGS.items():
@@ -81,6 +83,8 @@ def upgrade_saved_config(saved: Mapping[str, Any], like: Mapping[str, Any] | Non
             for key, value in _FOLDER_SPLIT_BEFORE_ITS_SETTINGS.items():
                 data.setdefault(key, value)
         train = data.get("train")
+        if isinstance(train, Mapping):
+            train.setdefault("views", 1)  # before views: one view per image, the same run
         # Before partial labels: no roi_sampling, train sets without partial_labels. Sampling acts only on
         # images with points or scribbles, which such a run had none of: the same run with them off.
         if isinstance(train, Mapping) and isinstance(train.get("sets"), list) and "roi_sampling" not in train:

@@ -52,7 +52,10 @@ from wsod.data.proposals.selective_search import MODES as SELECTIVE_SEARCH_MODES
 from wsod.data.transforms import TRAIN_SCALES
 from wsod.engine.amp import AMP_DTYPES
 from wsod.engine.balancing import BALANCE_CHOICES
+from wsod.engine.ema import SCHEDULES as EMA_SCHEDULES
 from wsod.evaluation import METRICS
+from wsod.modeling.protocol import MODULE_GROUPS
+from wsod.modeling.teacher_student import EVAL_WEIGHTS
 
 # OmegaConf 2.3 reads the annotations at runtime and knows ``Optional[X]``, not ``X | None``: the
 # fields below keep ``Optional`` (ruff's UP007 and UP045 are silenced for that reason).
@@ -115,6 +118,9 @@ Pooler = _choices("Pooler", ("align", "pool"))  # RoIAlign | RoIPool (wsod.model
 Metric = _choices("Metric", METRICS)
 Balance = _choices("Balance", BALANCE_CHOICES)
 SelectiveSearchMode = _choices("SelectiveSearchMode", SELECTIVE_SEARCH_MODES)
+EvalWeights = _choices("EvalWeights", EVAL_WEIGHTS)  # wsod.modeling.teacher_student
+EmaSchedule = _choices("EmaSchedule", EMA_SCHEDULES)  # wsod.engine.ema
+ModuleGroup = _choices("ModuleGroup", MODULE_GROUPS)  # wsod.modeling.protocol
 
 
 # -- data ------------------------------------------------------------------------------------------
@@ -140,6 +146,9 @@ class TrainData:
     lighting_std: float = 0.1  # PCA lighting noise std (reference INPUT.PCA, on by default: 0.1); 0: off
     max_proposals: Optional[int] = None  # keep at most this many proposals per image (file order); null: all
     roi_sampling: RoiSampling = field(default_factory=RoiSampling)
+    # Independently augmented views of each image (scale, flip, lighting, ROI sampling drawn per view),
+    # collated image-major with batch["views"] (wsod.data.loader); 1: plain items, as before
+    views: int = 1
     num_workers: int = 4  # loader processes
 
 
@@ -322,6 +331,9 @@ class Model:
     nms_iou: float = 0.3
     score_threshold: float = 0.0
     detections_per_image: int = 100
+    # What evaluations predict with: the trained weights (student), the EMA teacher's (teacher; needs
+    # solver.ema.enabled), or both on the same ROIs, mixed by the method's mix_scores (mix).
+    eval_weights: EvalWeights = EvalWeights.student
 
 
 @dataclass
@@ -397,11 +409,26 @@ class GradNormSolver:
 
 
 @dataclass
+class EMASolver:
+    """An EMA (mean) teacher of the detector (wsod/engine/ema.py): its per-ROI scores reach the method
+    (RefinementMethod.batch_losses), and model.eval_weights may evaluate it. Not part of the paper's
+    method: off unless a method uses it."""
+
+    enabled: bool = False
+    momentum: float = 0.999  # teacher <- momentum x teacher + (1 - momentum) x student, after each step
+    schedule: EmaSchedule = EmaSchedule.constant  # ramp: min(1 - 1/(t+1), momentum) (mean teacher, CBL)
+    # The module groups the teacher averages; the others hold the student's values.
+    follow: list[ModuleGroup] = field(default_factory=lambda: list(ModuleGroup))
+
+
+@dataclass
 class Solver(StageSolver):
-    """The first stage's solver: the detector's, the adversarial DropBlock step's, GradNorm's."""
+    """The first stage's solver: the detector's, the adversarial DropBlock step's, GradNorm's, the EMA
+    teacher's."""
 
     dropblock: DropBlockSolver = field(default_factory=DropBlockSolver)
     gradnorm: GradNormSolver = field(default_factory=GradNormSolver)
+    ema: EMASolver = field(default_factory=EMASolver)
 
 
 # -- the second stage's detector -------------------------------------------------------------------

@@ -49,7 +49,7 @@ from wsod.distributed import (
     setup_distributed,
 )
 from wsod.engine.checkpoint import TrainState, latest_valid_checkpoint, list_checkpoints
-from wsod.engine.companion import Companion
+from wsod.engine.companion import Companion, evaluation_model
 from wsod.engine.evaluate import Evaluation, Evaluator, write_evaluation
 from wsod.engine.pseudo_label_preview import PseudoLabelPreview
 from wsod.engine.run_log import RunLog
@@ -149,7 +149,7 @@ def _train_in(run_dir: Path, cfg: DictConfig, device: torch.device) -> dict[str,
     check_partial_labels_read(train_set, model.method)  # before step 1, whichever images hold them
     optimizer = build_optimizer(cfg.solver, model)
     scheduler = build_scheduler(cfg.solver, optimizer)
-    companions = build_companions(cfg.solver, model, device)  # in wsod.build.COMPANIONS' order
+    companions = build_companions(cfg, model, device)  # in wsod.build.COMPANIONS' order
     metadata = {
         "model": resolved["model"],
         "method": resolved["method"],
@@ -270,7 +270,9 @@ def train_and_evaluate(
             companions=companions, max_nonfinite=cfg.max_nonfinite, progress=cfg.progress,
             preview=preview,
         )  # fmt: skip
-        final = _final_evaluation(model, evaluator, run_dir, cfg.random_baseline)
+        final = _final_evaluation(
+            evaluation_model(model, companions), evaluator, run_dir, cfg.random_baseline
+        )
         write_evaluation(final, evaluator.dataset, run_dir / "eval")
         run_log.evaluation(summary["iteration"], final)
     metric = evaluator.primary_metric
