@@ -4,6 +4,7 @@ Examples:
     python tools/benchmark_rois.py --model r50_c4 --rois 64,128,256 --strategies plain,paper,fused
     python tools/benchmark_rois.py --model r50_c4 --rois 128,256 --strategies fused --dropblock
     python tools/benchmark_rois.py --model r50_c4 --rois 1000 --strategies fused --gradnorm
+    python tools/benchmark_rois.py --model r50_c4 --rois 250,1000 --strategies fused --ema --steps 0
     python tools/benchmark_rois.py --device cuda --rois 500,1000,2000,4000 --chunk 250,500 \
         --dtypes fp32,bf16 --budget-gb 16 --out benchmark_out/h200
     python tools/benchmark_rois.py --model r50_c4 --rois 256,512 --strategies plain,fused,auto \
@@ -59,7 +60,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     parser.add_argument("--chunk", type=_ints, default=[64], help="comma list of sequential chunk sizes")
     parser.add_argument("--image-size", default="600,1000", help="H,W of the one training image")
-    parser.add_argument("--dtypes", default="fp32", help="comma list of fp32, bf16 (bf16 autocast)")
+    parser.add_argument(
+        "--dtypes",
+        default="fp32",
+        help="comma list of fp32, bf16 (training's amp=bf16: autocast on CUDA only, as training runs it)",
+    )
     parser.add_argument(
         "--budget-gb", type=float, default=None, help="also find the largest ROI count within this"
     )
@@ -91,6 +96,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         " the ROI features, then one backward) and in the usual one ('+gradnorm_retain': the full"
         " backward with retain_graph, then one gradient per loss)",
     )
+    parser.add_argument(
+        "--ema",
+        action="store_true",
+        help="also measure each strategy with the EMA teacher ('<strategy>+ema': its no-grad scoring"
+        " forward before the student's and its update after the step; its weights are in the baseline)",
+    )
     parser.add_argument("--out", type=Path, default=Path("benchmark_out"), help="output directory")
     args = parser.parse_args(argv)
     args.strategies = [s for s in args.strategies.split(",") if s]
@@ -98,10 +109,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     if unknown:
         parser.error(f"unknown strategies {sorted(unknown)}; choose from {STRATEGIES}")
     variants = [""] + ["+dropblock"] * args.dropblock + ["+gradnorm", "+gradnorm_retain"] * args.gradnorm
+    variants += ["+ema"] * args.ema
     args.strategies = [s + variant for s in args.strategies for variant in variants]
     args.dtypes = [d for d in args.dtypes.split(",") if d]
     if set(args.dtypes) - {"fp32", "bf16"}:
         parser.error("--dtypes takes fp32 and/or bf16")
+    if "bf16" in args.dtypes and torch.device(args.device).type != "cuda":
+        parser.error("--dtypes bf16 needs --device cuda: training runs no autocast on CPU (amp is CUDA only)")
     height, width = _ints(args.image_size)
     args.image_size = (height, width)
     if "auto" in args.strategies and None in args.auto_budget_gb and torch.device(args.device).type != "cuda":

@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import ast
 import csv
 import importlib.util
+import inspect
 import math
 import os
 from pathlib import Path
@@ -13,9 +15,11 @@ import pytest
 import torch
 from alive_probe import AliveProbe
 
+from wsod.benchmarks import rois
 from wsod.benchmarks.rois import (
     _in_fresh_process,
-    _training_step,
+    _measured_step,
+    _run_measurement,
     build_benchmark_model,
     cap_cuda_memory,
     find_max_rois,
@@ -23,6 +27,8 @@ from wsod.benchmarks.rois import (
     measure,
 )
 from wsod.engine.balancing import LossBalancer
+from wsod.engine.step import train_step
+from wsod.modeling.protocol import TrainingOutput
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -88,18 +94,18 @@ def test_cuda_budget_passes_an_integer_device_index(monkeypatch):
     assert all(type(device) is int for _, device in calls)
 
 
-def test_dropblock_and_gradnorm_flags_measure_each_variant_against_the_plain_step(tmp_path, capsys):
+def test_variant_flags_measure_each_variant_against_the_plain_step(tmp_path, capsys):
     out = tmp_path / "bench"
     _load_tool().main(
         ["--model", "r18_c4", "--rois", "8", "--image-size", "96,128", "--strategies", "fused",
-         "--chunk", "4", "--steps", "0", "--dropblock", "--gradnorm", "--out", str(out)]
+         "--chunk", "4", "--steps", "0", "--dropblock", "--gradnorm", "--ema", "--out", str(out)]
     )  # fmt: skip
     with open(out / "results.csv") as handle:
         rows = {r["strategy"]: r for r in csv.DictReader(handle)}
-    variants = {"fused", "fused+dropblock", "fused+gradnorm", "fused+gradnorm_retain"}
+    variants = {"fused", "fused+dropblock", "fused+gradnorm", "fused+gradnorm_retain", "fused+ema"}
     assert set(rows) == variants and all(r["status"] == "ok" for r in rows.values())
     printed = capsys.readouterr().out
-    for variant in ("dropblock", "gradnorm", "gradnorm_retain"):
+    for variant in ("dropblock", "gradnorm", "gradnorm_retain", "ema"):
         assert f"fused+{variant} (chunk 4) / without +{variant} at 8 ROIs: peak memory" in printed
 
 
@@ -125,6 +131,15 @@ def test_auto_off_cuda_needs_a_numeric_budget():
     with pytest.raises(SystemExit):
         _load_tool().parse_args(["--strategies", "auto"])
     assert _load_tool().parse_args(["--strategies", "auto", "--auto-budget-gb", "4,none", "--device", "cuda"])
+
+
+def test_bf16_off_cuda_is_refused_as_training_runs_no_cpu_autocast():
+    # Training resolves amp to None on a CPU (wsod.engine.amp.resolve_amp): a "bf16" row would be float32.
+    with pytest.raises(SystemExit):
+        _load_tool().parse_args(["--dtypes", "fp32,bf16"])
+    with pytest.raises(ValueError, match="CUDA only"):
+        measure("r18_c4", "plain", None, 8, amp=True)
+    assert _load_tool().parse_args(["--dtypes", "fp32,bf16", "--device", "cuda"]).dtypes == ["fp32", "bf16"]
 
 
 def test_vgg16_benchmark_model_pools_7x7_with_roipool():
@@ -155,21 +170,93 @@ class _WithFeatures(torch.nn.Module):
         super().__init__()
         self.weight = torch.nn.Parameter(torch.ones(3))
 
-    def forward(self, images, return_features=False, **unused):
+    def forward(self, images, keep=(), **unused):
         features = AliveProbe.track(self.weight * images.flatten(1)[:, :3])
         losses = {"loss_mil": features.sum(), "loss_ref": features.pow(2).sum()}
-        return (losses, features) if return_features else losses
+        return TrainingOutput(losses, roi_features=features if "roi_features" in keep else None)
 
 
 @pytest.mark.parametrize("variant", [None, "gradnorm"])
-def test_the_benchmark_step_holds_no_roi_features_through_its_backward(variant):
+def test_the_measured_step_holds_no_roi_features_through_its_backward(variant):
     # Held through the backward, the (R, D) features stay alive at the neck's peak: the fused per-ROI
     # slope of r50_c4 read 17.0 KB instead of 8.5 (the same command, before and after).
     model = _WithFeatures()
     optimizer = torch.optim.SGD(model.parameters(), lr=0.0)
-    helper = LossBalancer(2) if variant else None
-    _training_step(model, optimizer, {"images": torch.ones(2, 3, 4, 4)}, False, variant, helper)
-    assert AliveProbe.alive == [False] and model.weight.grad is not None
+    companions = [LossBalancer(2)] if variant else []
+    labels = torch.zeros(20)
+    batch = {
+        "images": torch.ones(2, 3, 4, 4), "proposals": [torch.tensor([[0.0, 0, 2, 2]])] * 2,
+        "image_labels": torch.stack([labels, labels]), "image_sizes": [(4, 4)] * 2,
+        "original_sizes": [(4, 4)] * 2, "targets": [{"labels": labels}] * 2, "views": 1,
+    }  # fmt: skip
+    scaler = torch.amp.GradScaler("cpu", enabled=False)
+    _measured_step(model, optimizer, batch, None, scaler, variant, companions)
+    assert AliveProbe.alive == [False]
+
+
+# What each variant's measured step passes to train_step: its companions.
+COMPANIONS_OF = {
+    "plain": [],
+    "fused+dropblock": ["DropBlockAdversary"],
+    "fused+gradnorm": ["LossBalancer"],
+    "fused+ema": ["EMATeacher"],
+}
+
+
+@pytest.mark.parametrize("strategy", sorted(COMPANIONS_OF))
+def test_every_measured_step_is_the_training_loops_step(strategy, monkeypatch):
+    """The benchmark measures ``wsod.engine.step.train_step`` (issue 36): a spy around it sees every
+    step of a measurement (one warm-up, two timed), with the variant's companions and a collated batch;
+    a copy of the step kept in the benchmark would leave it uncalled."""
+    calls = []
+
+    def spy(model, optimizer, batches, **options):
+        batch = next(batches)
+        calls.append(([type(c).__name__ for c in options["companions"]], sorted(batch), options["amp"]))
+        return train_step(model, optimizer, iter([batch]), **options)
+
+    monkeypatch.setattr(rois, "train_step", spy)
+    chunk = 4 if strategy.startswith("fused") else None
+    result = _run_measurement("r18_c4", strategy, chunk, 8, (64, 64), "cpu", 2, 1, False, None)
+    assert result[3] == "ok" and result[1] > 0
+    keys = ["image_labels", "image_sizes", "images", "original_sizes", "proposals", "targets", "views"]
+    assert calls == [(COMPANIONS_OF[strategy], keys, None)] * 3
+
+
+def test_the_usual_gradnorm_order_is_a_comparison_not_the_training_step(monkeypatch):
+    """``+gradnorm_retain`` runs the comparison function, the one place that steps on its own."""
+    calls = []
+    monkeypatch.setattr(rois, "train_step", lambda *args, **kwargs: calls.append("train_step"))
+    comparison = rois.gradnorm_retain_comparison
+    monkeypatch.setattr(
+        rois, "gradnorm_retain_comparison", lambda *args: calls.append("comparison") or comparison(*args)
+    )
+    status = _run_measurement("r18_c4", "fused+gradnorm_retain", 4, 8, (64, 64), "cpu", 1, 1, False, None)[3]
+    assert status == "ok" and calls == ["comparison"] * 2
+
+
+COMPARISON = "gradnorm_retain_comparison"
+
+
+def test_the_benchmark_has_no_backward_or_optimizer_step_of_its_own():
+    """Outside ``gradnorm_retain_comparison`` (a comparison training never runs), wsod/benchmarks/rois.py
+    calls no ``.backward(``, ``torch.autograd.grad(`` or ``<optimizer>.step(``: its training step is the
+    loop's ``train_step``."""
+    tree = ast.parse(inspect.getsource(rois))
+    found = []
+    for top in tree.body:
+        if getattr(top, "name", None) == COMPARISON:
+            continue
+        for node in ast.walk(top):
+            if not (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute)):
+                continue
+            name = node.func.attr
+            receiver = ast.unparse(node.func.value)
+            if name == "backward" or (name == "grad" and "autograd" in receiver) or name == "step":
+                found.append(f"line {node.lineno}: {ast.unparse(node)}")
+    assert found == []
+    (comparison,) = [ast.unparse(t) for t in tree.body if getattr(t, "name", None) == COMPARISON]
+    assert ".backward(" in comparison and "optimizer.step()" in comparison  # the check sees such calls
 
 
 @pytest.mark.slow

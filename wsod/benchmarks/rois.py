@@ -1,7 +1,15 @@
 """How many ROIs fit: peak memory and step time of one detector training step versus ROI count.
 
 One measurement is one full training step of the detector with its losses (forward, backward, SGD
-step) on a synthetic image with random proposals and labels, for one back-propagation strategy:
+step) on a synthetic image with random proposals and labels, for one back-propagation strategy. The
+step is the training loop's own, ``wsod.engine.step.train_step``, on a collated batch of that one
+image, with the variant's companions (``+dropblock``, ``+gradnorm``, ``+ema``: ``split_variant``) and
+``amp="bf16"`` for bf16 rows (resolved as training resolves it, ``wsod.engine.amp.resolve_amp``: CUDA
+only). So the measured step includes what training runs around the update: the finiteness checks of
+the loss, the gradient norm, the BatchNorm buffers and the updated parameters (a few ``.item()``
+synchronisations), and the copy of the buffers that a skipped step restores (a few hundred kilobytes
+for ResNet-50). The one exception is ``+gradnorm_retain``, GradNorm in the usual order, which training
+never runs: a comparison (``gradnorm_retain_comparison``), not a training step. The strategies:
 
 * ``plain``: plain autograd through ROI pooling and res5;
 * ``checkpoint``: ``torch.utils.checkpoint`` around res5 (recomputes all ROIs at once in backward);
@@ -20,13 +28,15 @@ Peak memory: on CUDA ``torch.cuda.max_memory_allocated`` minus the memory alloca
 measured steps; on CPU the peak resident set size of a fresh process per measurement minus its resident
 size before the measured step (see ``measure``). Both are reset after the warm-up steps, and the
 gradients are released first, so the baseline is what persists between steps (model, batch, optimizer
-state). The CPU memory process runs no warm-up step, except for ``compile``, whose first step compiles.
+state, an EMA teacher's copy of the weights). The CPU memory process runs no warm-up step, except for
+``compile``, whose first step compiles.
 Step time: the median over ``steps`` steps after ``warmup`` steps.
 """
 
 from __future__ import annotations
 
 import csv
+import itertools
 import math
 import multiprocessing
 import os
@@ -43,9 +53,14 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from wsod.benchmarks.stock_backprop import STOCK_STRATEGIES, StockBackpropBody
+from wsod.data.loader import model_inputs
 from wsod.engine.adversarial import DropBlockAdversary
+from wsod.engine.amp import autocast, resolve_amp
 from wsod.engine.balancing import LossBalancer
+from wsod.engine.companion import Companion
+from wsod.engine.ema import EMATeacher
 from wsod.engine.solver import build_scheduler
+from wsod.engine.step import train_step
 from wsod.modeling.detector import WeaklySupervisedDetector, build_backbone, detector_from_backbone
 
 __all__ = [
@@ -56,6 +71,8 @@ __all__ = [
     "MODELS",
     "Measurement",
     "build_benchmark_model",
+    "synthetic_batch",
+    "gradnorm_retain_comparison",
     "cap_cuda_memory",
     "measure",
     "linear_fit",
@@ -74,7 +91,7 @@ __all__ = [
 STRATEGIES = ("plain", "checkpoint", "paper", "fused", "auto", *STOCK_STRATEGIES)
 # The strategies that take a chunk size (``--chunk``).
 CHUNKED = ("paper", "fused", "ckpt_chunk", "vmap_chunk")
-VARIANTS = ("dropblock", "gradnorm", "gradnorm_retain")
+VARIANTS = ("dropblock", "gradnorm", "gradnorm_retain", "ema")
 # The DropBlock scorer's hidden width per model, as its config (configs/model/*.yaml) sets it.
 DROPBLOCK_HIDDEN = {"r50_c4": 256, "r101_c4": 256}
 MODELS = {"r18_c4": "resnet18", "r50_c4": "resnet50", "r101_c4": "resnet101", "vgg16": "vgg16"}
@@ -127,7 +144,11 @@ def split_variant(strategy: str) -> tuple[str, str | None]:
     ``dropblock``: Concrete DropBlock, plus the adversarial step (a second forward and backward);
     ``gradnorm``: GradNorm in wsod's order (per-loss norms at the ROI features, then one backward);
     ``gradnorm_retain``: GradNorm in the usual order (the full backward with ``retain_graph=True``, then
-    one ``create_graph`` gradient per loss), the graph kept alive throughout.
+    one ``create_graph`` gradient per loss), the graph kept alive throughout: a comparison, not a
+    training step (``gradnorm_retain_comparison``);
+    ``ema``: the EMA teacher (``wsod.engine.ema.EMATeacher``, momentum 0.999, following every module
+    group): its no-grad scoring forward before the student's, its update after the step; its copy of
+    the weights is made with the model, so it is in the baseline.
     """
     base, _, variant = strategy.partition("+")
     if variant and variant not in VARIANTS:
@@ -166,29 +187,33 @@ def build_benchmark_model(
 
 
 def _optimizers(
-    model: WeaklySupervisedDetector, variant: str | None, device: torch.device
-) -> tuple[torch.optim.Optimizer, DropBlockAdversary | LossBalancer | torch.Tensor | None]:
-    """The detector's SGD and what the variant needs: the DropBlock adversary (the reference's
-    settings), wsod's GradNorm, or the loss weights of the usual GradNorm order."""
+    model: WeaklySupervisedDetector, variant: str | None, device: torch.device, amp: str | None = None
+) -> tuple[torch.optim.Optimizer, list[Companion]]:
+    """The detector's SGD and the companions ``train_step`` runs for the variant: the DropBlock
+    adversary (the reference's settings), wsod's GradNorm, the EMA teacher (the defaults of
+    ``EMATeacher``), or none (``gradnorm_retain`` is a comparison that keeps its loss weights itself).
+    ``amp``: the resolved precision."""
     dropblock = list(model.dropblock.parameters()) if model.dropblock is not None else []
     detector_params = [p for p in model.parameters() if all(p is not q for q in dropblock)]
     optimizer = torch.optim.SGD(detector_params, lr=1e-4, momentum=0.9)
-    num_losses = len(model.loss_names)  # the MIL loss, then the refinement method's
     if variant == "dropblock":
         dropblock_optimizer = torch.optim.SGD(dropblock, lr=1e-4, momentum=0.9, weight_decay=1e-4)
         scheduler = build_scheduler(dropblock_optimizer, milestones=[])
-        return optimizer, DropBlockAdversary(model, dropblock_optimizer, scheduler)
+        return optimizer, [DropBlockAdversary(model, dropblock_optimizer, scheduler, amp=amp, device=device)]
     if variant == "gradnorm":
-        return optimizer, LossBalancer(num_losses).to(device)
-    if variant == "gradnorm_retain":
-        return optimizer, torch.ones(num_losses, device=device, requires_grad=True)
-    return optimizer, None
+        num_losses = len(model.loss_names)  # the MIL loss, then the refinement method's
+        return optimizer, [LossBalancer(num_losses).to(device)]
+    if variant == "ema":
+        return optimizer, [EMATeacher(model)]
+    return optimizer, []
 
 
 def synthetic_batch(
     image_size: tuple[int, int], rois: int, device: torch.device, seed: int = 0
 ) -> dict[str, object]:
-    """One image (1, 3, H, W), ``rois`` random boxes of 16 px or more, two positive classes."""
+    """One collated batch (``wsod.data.loader.collate``'s dict, ``views`` 1, the keys ``model_inputs``
+    reads) of one image (1, 3, H, W) with ``rois`` random boxes of 16 px or more and two positive
+    classes, already on ``device`` (so that no step copies it). Not padded: H and W as given."""
     g = torch.Generator().manual_seed(seed)
     height, width = image_size
     xy = torch.rand(rois, 2, generator=g) * torch.tensor([width - 16.0, height - 16.0])
@@ -196,69 +221,72 @@ def synthetic_batch(
     wh = 16 + torch.rand(rois, 2, generator=g) * (max_wh - 16)
     labels = torch.zeros(1, NUM_CLASSES)
     labels[0, [3, 11]] = 1
+    labels = labels.to(device)
     return {
         "images": torch.randn(1, 3, height, width, generator=g).to(device),
         "proposals": [torch.cat([xy, xy + wh], dim=1).to(device)],
-        "image_labels": labels.to(device),
+        "image_labels": labels,
+        "image_sizes": [(height, width)],
+        "original_sizes": [(height, width)],
+        "targets": [{"labels": labels[0], "proposal_ids": torch.arange(rois, device=device)}],
+        "views": 1,
     }
 
 
-def _gradnorm_retain_graph(
-    losses: dict[str, torch.Tensor], shared: torch.Tensor, weights: torch.Tensor
+def gradnorm_retain_comparison(
+    model: nn.Module, optimizer: torch.optim.Optimizer, batch: dict, amp: str | None
 ) -> None:
-    """GradNorm in the usual order, for comparison: the full backward of the weighted total with
-    ``retain_graph=True``, then one ``create_graph`` gradient per weighted loss at ``shared``, and the
-    weights' gradient; the whole graph stays alive until the end."""
-    values = list(losses.values())
-    total = sum(w * loss for w, loss in zip(weights, values, strict=True))
+    """GradNorm in the usual order: a comparison for ``+gradnorm_retain``, **not a training step**
+    (training runs wsod's order, the ``LossBalancer`` companion inside ``train_step``; nothing but this
+    benchmark runs this function).
+
+    The forward keeps the ROI features; the full backward of the weighted total runs with
+    ``retain_graph=True``, then one ``create_graph`` gradient per weighted loss at the ROI features, and
+    the weights' gradient; the whole graph stays alive until the end. Then the SGD step. Loss weights
+    start at 1 (the first step: every loss at its initial value); no finiteness checks."""
+    device = batch["images"].device
+    optimizer.zero_grad(set_to_none=True)
+    with autocast(device, amp):
+        output = model(**model_inputs(batch, device), keep=("roi_features",))
+    losses, shared = list(output.losses.values()), output.roi_features
+    del output
+    weights = torch.ones(len(losses), device=device, requires_grad=True)
+    total = sum(w * loss for w, loss in zip(weights, losses, strict=True))
     total.backward(retain_graph=True)
     norms = []
-    for w, loss in zip(weights, values, strict=True):
+    for w, loss in zip(weights, losses, strict=True):
         (grad,) = torch.autograd.grad(w * loss, shared, retain_graph=True, create_graph=True)
         norms.append(torch.linalg.vector_norm(grad))
     norms = torch.stack(norms)
     ratios = torch.ones_like(norms)  # the first step: every loss at its initial value
     grad_loss = (norms - norms.detach().mean() * ratios).abs().sum()
     (weights.grad,) = torch.autograd.grad(grad_loss, weights)
+    del losses, shared, total, norms, grad_loss
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
 
 
-def _training_step(
+def _measured_step(
     model: nn.Module,
     optimizer: torch.optim.Optimizer,
     batch: dict,
-    amp: bool,
-    variant: str | None = None,
-    helper: DropBlockAdversary | LossBalancer | torch.Tensor | None = None,
+    amp: str | None,
+    scaler: torch.amp.GradScaler,
+    variant: str | None,
+    companions: Sequence[Companion],
 ) -> None:
-    """One step: forward, losses, backward (as ``variant`` says), SGD step; with ``dropblock`` the
-    adversarial DropBlock step after it."""
-    device_type = batch["images"].device.type
-    optimizer.zero_grad(set_to_none=True)
+    """One measured step: the training loop's ``train_step`` (with ``companions``), or for
+    ``gradnorm_retain`` the comparison. A step that training would skip (something not finite) is an
+    error: its measurement would not be of an update."""
     if variant == "gradnorm_retain":
-        with torch.autocast(device_type, dtype=torch.bfloat16, enabled=amp):
-            losses, shared = model(**batch, return_features=True)
-        _gradnorm_retain_graph(losses, shared, helper)  # the usual order: the graph stays alive anyway
-        del losses, shared
-    else:
-        with torch.autocast(device_type, dtype=torch.bfloat16, enabled=amp):
-            if variant == "gradnorm":
-                losses, shared = model(**batch, return_features=True)
-                total = helper.weighted_total(losses, shared)
-                # Not held through the backward: the heads' backward frees the (R, D) ROI features,
-                # and a reference here would keep them alive at the neck's peak (kilobytes per ROI).
-                del shared
-            else:
-                losses = model(**batch)
-                total = sum(losses.values())
-        del losses
-        total.backward()
-        del total
-    optimizer.step()
-    if variant == "gradnorm":
-        helper.step()
-    if variant == "dropblock":
-        with torch.autocast(device_type, dtype=torch.bfloat16, enabled=amp):
-            helper.step([batch])
+        gradnorm_retain_comparison(model, optimizer, batch, amp)
+        return
+    result = train_step(
+        model, optimizer, itertools.repeat(batch), device=batch["images"].device, amp=amp, scaler=scaler,
+        companions=companions,
+    )  # fmt: skip
+    if not result.applied:
+        raise RuntimeError(f"the benchmark's training step was skipped: a {result.problem} was not finite")
 
 
 def _synchronize(device: torch.device) -> None:
@@ -326,7 +354,9 @@ def _run_measurement(
     torch.manual_seed(0)
     model = build_benchmark_model(model_name, strategy, chunk, auto_budget_gb).to(device).train()
     variant = split_variant(strategy)[1]
-    optimizer, helper = _optimizers(model, variant, device)
+    amp_mode = resolve_amp("bf16" if amp else None, device)  # as training resolves it: CUDA only
+    scaler = torch.amp.GradScaler(device.type, enabled=amp_mode == "fp16")
+    optimizer, companions = _optimizers(model, variant, device, amp_mode)
     batch = synthetic_batch(image_size, rois, device)
     times = []
     baseline = _reset_peak(device)
@@ -337,12 +367,12 @@ def _run_measurement(
                 baseline = _reset_peak(device)
             _synchronize(device)
             start = time.perf_counter()
-            _training_step(model, optimizer, batch, amp, variant, helper)
+            _measured_step(model, optimizer, batch, amp_mode, scaler, variant, companions)
             _synchronize(device)
             if step >= warmup:
                 times.append(time.perf_counter() - start)
     except torch.cuda.OutOfMemoryError:  # the CUDA name: present in every torch this package supports
-        del model, optimizer, helper, batch
+        del model, optimizer, companions, batch
         torch.cuda.empty_cache()
         return math.nan, math.nan, baseline, "oom", {}
     except Exception as error:  # noqa: BLE001  only where torch.compile builds the step: a row, not a crash
@@ -353,7 +383,7 @@ def _run_measurement(
     auto = _auto_choice(model) if split_variant(strategy)[0] == "auto" else {}
     if device.type == "cuda":
         peak = torch.cuda.max_memory_allocated(device) / 2**20 - baseline
-        del model, optimizer, helper, batch
+        del model, optimizer, companions, batch
         torch.cuda.empty_cache()
     else:
         peak = _peak_rss_mb() - baseline
@@ -443,7 +473,8 @@ def measure(
     memory_limit_gb: float | None = None,
     auto_budget_gb: float | None = None,
 ) -> Measurement:
-    """One measurement (``timed=False``: memory only, one step); ``auto_budget_gb`` for ``auto``.
+    """One measurement (``timed=False``: memory only, one step); ``auto_budget_gb`` for ``auto``;
+    ``amp``: bf16, as training sets it (CUDA only, fp16 on a GPU without native bfloat16).
 
     On CPU, two fresh processes: one measures peak RSS with glibc's mmap threshold pinned to 64 KiB, so
     that every freed tensor goes back to the system and RSS follows live tensors rather than allocator
@@ -451,6 +482,11 @@ def measure(
     of the fused strategy reads 10x too high); the other times the steps with the default allocator,
     since an mmap per tensor would slow them down.
     """
+    if amp and torch.device(device).type != "cuda":
+        raise ValueError(
+            "amp (bf16) is CUDA only: training runs no autocast on a CPU (wsod.engine.amp.resolve_amp),"
+            " so a CPU bf16 row would measure float32"
+        )
     limit_mb = None if memory_limit_gb is None else memory_limit_gb * 1024
     auto_budget_gb = auto_budget_gb if split_variant(strategy)[0] == "auto" else None
     args = (model, strategy, chunk, rois, image_size, device, steps, warmup, amp, threads, limit_mb)
@@ -476,7 +512,7 @@ def measure(
         device=_device_label(device),
         model=model,
         image_size=f"{image_size[0]}x{image_size[1]}",
-        dtype="bf16" if amp else "fp32",
+        dtype=resolve_amp("bf16", device) if amp else "fp32",  # fp16 on a GPU without native bf16
         baseline_mb=round(baseline, 1),
         status=status,
         budget_gb=auto_budget_gb,
@@ -531,15 +567,20 @@ def write_csv(measurements: Iterable[Measurement], path: Path) -> None:
             writer.writerow(asdict(m))
 
 
-def strategy_label(strategy: str, chunk: int | None, amp: bool, auto_budget_gb: float | None = None) -> str:
+def strategy_label(
+    strategy: str, chunk: int | None, amp: bool | str, auto_budget_gb: float | None = None
+) -> str:
+    """``amp``: True for bf16, or the dtype a row ran in ("fp32" and False add nothing)."""
+    dtype = "bf16" if amp is True else amp if amp and amp != "fp32" else ""
+    suffix = f" {dtype}" if dtype else ""
     if strategy == "auto":  # its chunk is a choice per step, not a setting
         budget = "free memory" if auto_budget_gb is None else f"{auto_budget_gb:g} GB"
-        return f"auto ({budget})" + (" bf16" if amp else "")
-    return f"{strategy}" + (f" (chunk {chunk})" if chunk else "") + (" bf16" if amp else "")
+        return f"auto ({budget})" + suffix
+    return f"{strategy}" + (f" (chunk {chunk})" if chunk else "") + suffix
 
 
 def _label_of(m: Measurement) -> str:
-    return strategy_label(m.strategy, m.chunk, m.dtype == "bf16", m.budget_gb)
+    return strategy_label(m.strategy, m.chunk, m.dtype, m.budget_gb)
 
 
 def _by_label(measurements: Sequence[Measurement], ok_only: bool = False) -> dict[str, list[Measurement]]:
