@@ -146,6 +146,25 @@ def test_the_checkpoint_state_restores_the_teacher_and_its_count_exactly():
         assert torch.equal(other.teacher.state_dict()[name], value), name
 
 
+def test_a_teacher_switched_on_at_a_resume_starts_from_the_resumed_weights_not_the_built_ones():
+    model = _detector()
+    teacher = EMATeacher(model, momentum=0.9)  # built before the resume loads the student's weights
+    resumed = _detector(seed=1).state_dict()
+    model.load_state_dict(resumed)  # what the loop's resume does after the companions are built
+    teacher.before_forward({**_batch(), "image_labels": None})
+    for name, value in teacher.teacher.state_dict().items():
+        assert torch.equal(value, resumed[name]), name
+    # A checkpoint's teacher is kept as it is, whatever the student holds.
+    other = EMATeacher(model)
+    state = {"teacher": _detector(seed=2).state_dict(), "updates": 3}
+    other.load_state_dict(state, iteration=3)
+    other.update()
+    assert other.updates == 4 and not torch.equal(
+        other.teacher.state_dict()["mil_head.cls_score.weight"],
+        model.state_dict()["mil_head.cls_score.weight"],
+    )
+
+
 def test_evaluations_use_the_student_the_teacher_or_the_pair_and_the_pair_keeps_the_teacher_in_eval():
     model = _detector()
     assert EMATeacher(model).evaluation_model(model) is model

@@ -92,6 +92,10 @@ class EMATeacher(Companion):
         self.follow, self.eval_weights = tuple(follow), eval_weights
         self.teacher = copy.deepcopy(student).eval().requires_grad_(False)
         self.updates = 0
+        # The copy above is of the weights at build time; a run resumed from a checkpoint without a
+        # teacher (switched on at the resume) loads the student's weights after it: the teacher is then
+        # made again from those at its first use (``_start``). A checkpoint's teacher replaces it.
+        self._started = False
         self._averaged, self._copied = _pairs(student, self.teacher, self.follow, sources or {})
         self._last_momentum = float("nan")
 
@@ -104,12 +108,21 @@ class EMATeacher(Companion):
     @torch.no_grad()
     def before_forward(self, inputs: Mapping[str, Any]) -> dict[str, Any]:
         """The teacher's ``teacher_inputs`` on the step's images and ROIs (eval mode, no graph)."""
+        self._start()
         self.teacher.eval()  # whatever an evaluation left it in
         return self.teacher.teacher_inputs(inputs)
 
     @torch.no_grad()
+    def _start(self) -> None:
+        """At the first use of a teacher no checkpoint gave: the student's current weights."""
+        if not self._started:
+            self.teacher.load_state_dict(self.student.state_dict())
+            self._started = True
+
+    @torch.no_grad()
     def update(self) -> float:
         """One EMA update from the student's current weights; returns the alpha used."""
+        self._start()
         alpha = self.alpha()
         for teacher, mix in self._averaged:
             if len(mix) == 1 and mix[0][1] == 1.0:  # its namesake: one fused, exact lerp
@@ -127,6 +140,7 @@ class EMATeacher(Companion):
         return {"ema_momentum": self._last_momentum}
 
     def evaluation_model(self, model: nn.Module) -> nn.Module:
+        self._start()
         if self.eval_weights == "teacher":
             return self.teacher
         if self.eval_weights == "mix":
@@ -134,14 +148,17 @@ class EMATeacher(Companion):
         return model
 
     def final_weights(self) -> dict[str, Any]:
+        self._start()
         return {"teacher": self.teacher.state_dict()}
 
     def state_dict(self) -> dict[str, Any]:
+        self._start()
         return {"teacher": self.teacher.state_dict(), "updates": self.updates}
 
     def load_state_dict(self, state: dict[str, Any], iteration: int) -> None:
         self.teacher.load_state_dict(state["teacher"])
         self.updates = int(state["updates"])
+        self._started = True
 
 
 def _pairs(

@@ -491,7 +491,7 @@ class WeaklySupervisedDetector(nn.Module):
     @torch.no_grad()
     def roi_scores(self, images: Tensor, proposals: Sequence[Tensor]) -> RoiScores:
         """Every head's per-ROI class probabilities on a batch, without gradients (a teacher's forward:
-        the neck runs with its inference chunking, so it holds no activations). In the module's current
+        the neck runs with its inference chunking and keeps no graph). In the module's current
         mode; full precision, like ``predict_rois``."""
         roi_features = self.roi_features(images, proposals)
         with _autocast_off(roi_features):
