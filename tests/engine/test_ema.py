@@ -177,11 +177,15 @@ def test_evaluations_use_the_student_the_teacher_or_the_pair_and_the_pair_keeps_
     assert model.training and not pair.teacher.training
     # The pair's per-ROI scores are the method's mix (the mean by default) of both on the same ROIs.
     pair.eval()
+    pair.teacher.load_state_dict(_detector(seed=1).state_dict())  # a teacher that differs from the student
     inputs = {**_batch(), "image_labels": None}
     own = model.predict_view(inputs, [False, True], model.detection_settings)
+    theirs = pair.teacher.predict_view(inputs, [False, True], model.detection_settings)
     mixed = pair.predict_view(inputs, [False, True], model.detection_settings)
-    for a, m in zip(own, mixed, strict=True):
-        torch.testing.assert_close(m["scores"], a["scores"])  # an untrained teacher is the student
+    for a, b, m in zip(own, theirs, mixed, strict=True):
+        assert not torch.allclose(a["scores"], b["scores"])
+        torch.testing.assert_close(m["scores"], (a["scores"] + b["scores"]) / 2)
+        torch.testing.assert_close(m["boxes"], (a["boxes"] + b["boxes"]) / 2)
 
 
 def test_model_final_holds_the_teacher_and_load_detector_reads_each_choice(tmp_path):
