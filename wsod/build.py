@@ -477,12 +477,15 @@ def build_ema_teacher(
     settings = solver_cfg.get("ema")
     if settings is None or not settings.enabled:
         return None
+    # A method may make some teacher tensors follow a weighted mix of student tensors (CBL's classifier).
+    sources = model.teacher_sources() if hasattr(model, "teacher_sources") else {}
     return EMATeacher(
         model,
         momentum=settings.momentum,
         schedule=str(settings.schedule),
         follow=[str(group) for group in settings.follow],
         eval_weights=str(eval_weights),
+        sources=sources,
     )
 
 

@@ -35,7 +35,16 @@ class _Tiny(nn.Module):
         self.poisoned, self.calls, self.scale = set(poisoned), 0, scale
 
     def forward(
-        self, images, proposals, image_labels, image_sizes, original_sizes, targets, views=1, keep=()
+        self,
+        images,
+        proposals,
+        image_labels,
+        image_sizes,
+        original_sizes,
+        targets,
+        views=1,
+        progress=None,
+        keep=(),
     ):
         self.calls += 1
         loss = self.scale * self.fc(self.norm(images.flatten(1)[:, :3])).pow(2).mean()
@@ -129,7 +138,16 @@ class _OverflowingStatistics(nn.Module):
         self.overflowing, self.calls = set(overflowing), 0
 
     def forward(
-        self, images, proposals, image_labels, image_sizes, original_sizes, targets, views=1, keep=()
+        self,
+        images,
+        proposals,
+        image_labels,
+        image_sizes,
+        original_sizes,
+        targets,
+        views=1,
+        progress=None,
+        keep=(),
     ):
         self.calls += 1
         features = self.norm(images.flatten(1)[:, :3])
@@ -260,7 +278,16 @@ class _Halving(Companion):
 
 class _TinyWithFeatures(_Tiny):
     def forward(
-        self, images, proposals, image_labels, image_sizes, original_sizes, targets, views=1, keep=()
+        self,
+        images,
+        proposals,
+        image_labels,
+        image_sizes,
+        original_sizes,
+        targets,
+        views=1,
+        progress=None,
+        keep=(),
     ):
         output = super().forward(images, proposals, image_labels, image_sizes, original_sizes, targets, views)
         if "roi_features" in keep:
@@ -364,7 +391,16 @@ class _WithFeatures(nn.Module):
         self.weight = nn.Parameter(torch.ones(3))
 
     def forward(
-        self, images, proposals, image_labels, image_sizes, original_sizes, targets, views=1, keep=()
+        self,
+        images,
+        proposals,
+        image_labels,
+        image_sizes,
+        original_sizes,
+        targets,
+        views=1,
+        progress=None,
+        keep=(),
     ):
         features = AliveProbe.track(self.weight * images.flatten(1)[:, :3])
         losses = {"loss_a": features.sum()}

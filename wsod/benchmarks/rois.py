@@ -62,6 +62,7 @@ from wsod.engine.ema import EMATeacher
 from wsod.engine.solver import build_scheduler
 from wsod.engine.step import train_step
 from wsod.modeling.detector import WeaklySupervisedDetector, build_backbone, detector_from_backbone
+from wsod.modeling.method import TrainingProgress
 
 __all__ = [
     "STRATEGIES",
@@ -281,9 +282,10 @@ def _measured_step(
     if variant == "gradnorm_retain":
         gradnorm_retain_comparison(model, optimizer, batch, amp)
         return
+    # Mid-training: a method whose losses follow the schedule runs every part (CBL's multi-seeds).
     result = train_step(
         model, optimizer, itertools.repeat(batch), device=batch["images"].device, amp=amp, scaler=scaler,
-        companions=companions,
+        companions=companions, progress=TrainingProgress(1, 2),
     )  # fmt: skip
     if not result.applied:
         raise RuntimeError(f"the benchmark's training step was skipped: a {result.problem} was not finite")

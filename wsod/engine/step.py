@@ -24,6 +24,7 @@ from wsod.data.loader import model_inputs
 from wsod.distributed import all_reduce_mean
 from wsod.engine.amp import autocast
 from wsod.engine.companion import Companion
+from wsod.modeling.method import TrainingProgress
 
 __all__ = ["StepResult", "NonFiniteParametersError", "train_step", "check_companions"]
 
@@ -67,16 +68,20 @@ def train_step(
     amp: str | None = None,
     scaler: torch.amp.GradScaler | None = None,
     companions: Sequence[Companion] = (),
+    progress: TrainingProgress | None = None,
 ) -> StepResult:
     """One optimizer step of ``model`` (on ``device``, possibly DDP-wrapped) on the next
     ``accumulation`` batches of ``batches`` (``wsod.data.loader.collate`` dicts). ``amp``: the resolved
     precision (None, "bf16", "fp16"; ``wsod.engine.amp.resolve_amp``); ``scaler``: the fp16 GradScaler
-    (a disabled one when None). Leaves no gradient behind. Raises ``NonFiniteParametersError`` when an
+    (a disabled one when None); ``progress``: where the training stands, passed to every forward
+    (``progress=``) when given. Leaves no gradient behind. Raises ``NonFiniteParametersError`` when an
     applied update made a parameter non-finite (the caller says which checkpoint holds the last finite
     weights)."""
     scaler = scaler if scaler is not None else torch.amp.GradScaler(device.type, enabled=False)
     buffers = _copy_buffers(model)  # restored if the step is skipped
-    losses, inputs = _forward_backward(model, batches, device, accumulation, amp, scaler, companions)
+    losses, inputs = _forward_backward(
+        model, batches, device, accumulation, amp, scaler, companions, progress
+    )
     values = _reduce_losses(losses)
     problem = _step_problem(values, model, optimizer, scaler)
     if problem is None:
@@ -105,6 +110,7 @@ def _forward_backward(
     amp: str | None,
     scaler: torch.amp.GradScaler,
     companions: Sequence[Companion],
+    progress: TrainingProgress | None = None,
 ) -> tuple[dict[str, torch.Tensor], list[dict[str, Any]]]:
     """The ``accumulation`` forward and backward passes of one optimizer step. Returns the step's losses
     (the mean over its batches, detached, plus ``loss_total``) and, when a companion needs them, its
@@ -118,6 +124,8 @@ def _forward_backward(
     distributed = isinstance(model, nn.parallel.DistributedDataParallel)
     for micro in range(accumulation):
         inputs = model_inputs(next(batches), device)
+        if progress is not None:
+            inputs["progress"] = progress
         with autocast(device, amp):  # a teacher scores in the step's precision
             for companion in companions:
                 inputs.update(companion.before_forward(inputs))

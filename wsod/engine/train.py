@@ -39,6 +39,7 @@ from wsod.engine.pseudo_label_preview import PseudoLabelPreview
 from wsod.engine.run_log import RunLog
 from wsod.engine.solver import WarmupMultiStepLR, load_optimizer_state
 from wsod.engine.step import NonFiniteParametersError, check_companions, train_step
+from wsod.modeling.method import TrainingProgress
 
 __all__ = ["train", "NonFiniteLossError", "TrainingInterrupted"]
 
@@ -140,6 +141,7 @@ def train(
                 step = train_step(
                     model, optimizer, batches, device=device, accumulation=accumulation, amp=amp,
                     scaler=scaler, companions=companions,
+                    progress=TrainingProgress(state.iteration, max_iter),
                 )  # fmt: skip
             except NonFiniteParametersError as error:
                 raise NonFiniteLossError(_parameters_message(state.iteration + 1, checkpointer)) from error

@@ -37,8 +37,9 @@ from torchvision.ops import batched_nms, clip_boxes_to_image, remove_small_boxes
 
 from wsod.modeling.backbone import Backbone
 from wsod.modeling.box_coder import decode_boxes
+from wsod.modeling.cbl import CBLMethod
 from wsod.modeling.dropblock import ConcreteDropBlock
-from wsod.modeling.method import MethodBatch, PseudoLabels, RefinementMethod, RoiScores
+from wsod.modeling.method import MethodBatch, PseudoLabels, RefinementMethod, RoiScores, TrainingProgress
 from wsod.modeling.mil import MILHead, mil_loss
 from wsod.modeling.partial_labels import PARTIAL_LABEL_FIELDS
 from wsod.modeling.pcl import PCLMethod, WSDDNMethod
@@ -78,6 +79,7 @@ METHODS: dict[str, type[RefinementMethod]] = {
     "oicr": OICRMethod,
     "pcl": PCLMethod,
     "wsddn": WSDDNMethod,
+    "cbl": CBLMethod,
 }
 
 
@@ -146,6 +148,8 @@ class WeaklySupervisedDetector(nn.Module):
             (``trains_students`` False, WSDDN: the teacher's ROI scores are the detections).
         method: the refinement method (``MISTMethod()`` when neither it nor ``labeler`` is given): each
             student's pseudo-labels from its predecessor's scores, and that student's losses.
+        method_heads: the method's own heads (``method.build_heads``, e.g. CBL's R-CNN head), by name;
+            exactly the names the method builds (none for MIST, OICR, PCL, WSDDN).
         labeler: instead of ``method``, a plain ``PseudoLabeler`` (``MISTLabeler()``, ``OICRLabeler()``
             or any callable of that signature), trained with the students' weighted losses
             (``LabelerMethod``).
@@ -162,6 +166,7 @@ class WeaklySupervisedDetector(nn.Module):
         mil_head: MILHead,
         students: Sequence[RefinementStudent],
         method: RefinementMethod | None = None,
+        method_heads: Mapping[str, nn.Module] | None = None,
         labeler: PseudoLabeler | None = None,
         first_student_loss_weight: float | None = None,
         nms_iou: float = 0.3,
@@ -175,6 +180,8 @@ class WeaklySupervisedDetector(nn.Module):
         self.roi_head = roi_head
         self.mil_head = mil_head
         self.students = nn.ModuleList(students)
+        self.method_heads = nn.ModuleDict(dict(method_heads or {}))
+        _check_method_heads(self.method, self.method_heads)
         self.nms_iou = nms_iou
         self.score_threshold = score_threshold
         self.detections_per_image = detections_per_image
@@ -209,8 +216,13 @@ class WeaklySupervisedDetector(nn.Module):
 
     def module_groups(self) -> dict[str, list[nn.Module]]:
         """The EMA teacher's groups (``wsod.modeling.protocol.MODULE_GROUPS``): the base network, the
-        per-ROI neck (with its DropBlock), the MIL head and the students."""
-        return {"backbone": [self.base], "neck": [self.roi_head], "heads": [self.mil_head, self.students]}
+        per-ROI neck (with its DropBlock), the MIL head, the students and the method's heads."""
+        heads = [self.mil_head, self.students, self.method_heads]
+        return {"backbone": [self.base], "neck": [self.roi_head], "heads": heads}
+
+    def teacher_sources(self) -> dict[str, dict[str, float]]:
+        """The weighted sources of an EMA teacher's tensors (``RefinementMethod.teacher_sources``)."""
+        return self.method.teacher_sources(len(self.students))
 
     def forward(
         self,
@@ -223,6 +235,7 @@ class WeaklySupervisedDetector(nn.Module):
         views: int = 1,
         *,
         teacher_scores: RoiScores | None = None,
+        progress: TrainingProgress | None = None,
         keep: Collection[str] = (),
     ) -> TrainingOutput | list[dict[str, Tensor]]:
         """A ``TrainingOutput`` in training mode, detections in eval mode (see the module docstring).
@@ -231,7 +244,8 @@ class WeaklySupervisedDetector(nn.Module):
         holds B images x V views, image-major (each view an image of its own for the MIL loss and the
         students; the method's ``batch_losses`` sees them together). ``teacher_scores``: an EMA
         teacher's per-ROI scores on the same images and ROIs (``teacher_inputs``), for the method.
-        ``keep`` (``TRAINING_EXTRAS``): also return the (R, D) ROI features the losses were computed
+        ``progress``: where the training stands (the loop's step), for a method whose losses follow a
+        schedule. ``keep`` (``TRAINING_EXTRAS``): also return the (R, D) ROI features the losses were computed
         from, the boundary between the neck and the heads where GradNorm measures gradient norms
         (``wsod.engine.gradnorm``), and each loss's detached pseudo-label weight scale
         (``RefinementMethod.loss_scales``; 1 for ``loss_mil`` and for losses the method gives none);
@@ -246,7 +260,7 @@ class WeaklySupervisedDetector(nn.Module):
         if self.training:
             scales: dict[str, Tensor] | None = {} if "loss_scales" in keep else None
             losses = self._full_precision_losses(
-                roi_features, proposals, image_labels, targets, scales, views, teacher_scores
+                roi_features, proposals, image_labels, targets, scales, views, teacher_scores, progress
             )
             output = TrainingOutput(losses)
             if "roi_features" in keep:
@@ -358,10 +372,12 @@ class WeaklySupervisedDetector(nn.Module):
         scales: dict[str, Tensor] | None = None,
         views: int = 1,
         teacher_scores: RoiScores | None = None,
+        progress: TrainingProgress | None = None,
     ) -> dict[str, Tensor]:
         with _autocast_off(roi_features):
+            features = _full_precision(roi_features)
             return self._losses(
-                _full_precision(roi_features), proposals, image_labels, targets, scales, views, teacher_scores
+                features, proposals, image_labels, targets, scales, views, teacher_scores, progress
             )
 
     def _losses(
@@ -373,11 +389,15 @@ class WeaklySupervisedDetector(nn.Module):
         scales: dict[str, Tensor] | None = None,
         views: int = 1,
         teacher_scores: RoiScores | None = None,
+        progress: TrainingProgress | None = None,
     ) -> dict[str, Tensor]:
         """The losses; ``scales``, when given, is filled with the method's ``loss_scales``."""
         counts = [len(p) for p in proposals]
         mil_scores = self.mil_head(roi_features, counts)  # (R, C+1)
         losses = {"loss_mil": mil_loss(mil_scores, counts, image_labels)}
+        mil_weight = self.method.mil_loss_weight(progress)
+        if mil_weight != 1.0:
+            losses["loss_mil"] = losses["loss_mil"] * mil_weight
         student_logits = []
         for k, logits, deltas, records in self._students_and_records(
             roi_features, proposals, mil_scores, targets
@@ -389,6 +409,8 @@ class WeaklySupervisedDetector(nn.Module):
         batch = MethodBatch(
             proposals=proposals, targets=targets, views=views, mil_scores=mil_scores,
             student_logits=tuple(student_logits), teacher=teacher_scores,
+            heads={name: head(roi_features) for name, head in self.method_heads.items()},
+            progress=progress,
         )  # fmt: skip
         losses.update(self.method.batch_losses(batch))
         if tuple(losses) != self.loss_names:  # what GradNorm and the logs count must be what is returned
@@ -448,12 +470,23 @@ class WeaklySupervisedDetector(nn.Module):
     ) -> list[tuple[Tensor, Tensor]]:
         """Per-ROI predictions before NMS, for post-processing and test-time augmentation.
 
-        Averages the students' class probabilities and box deltas, decodes each class's box, clips it to
-        the resized image and maps it to original pixels. Without box regression (PCL) each class's box
-        is the proposal's; without students (WSDDN) the scores are the MIL teacher's ROI scores.
-        Returns per image (scores (R_i, C+1), boxes (R_i, C+1, 4)), column 0 being background. Full
-        precision, like ``losses``.
+        The method's ``detection`` (by default the students' mean class probabilities and box deltas),
+        each class's box decoded, clipped to the resized image and mapped to original pixels. Without
+        box deltas (PCL) each class's box is the proposal's; without students (WSDDN) the scores are the
+        MIL teacher's ROI scores. Returns per image (scores (R_i, C+1), boxes (R_i, C+1, 4)), column 0
+        being background. Full precision, like ``losses``.
         """
+        per_roi = self._per_roi(roi_features, proposals, image_sizes, original_sizes)
+        return [(scores, boxes) for scores, boxes, _ in per_roi]
+
+    def _per_roi(
+        self,
+        roi_features: Tensor,
+        proposals: Sequence[Tensor],
+        image_sizes: Sequence[ImageSize],
+        original_sizes: Sequence[ImageSize],
+    ) -> list[tuple[Tensor, Tensor, Tensor]]:
+        """``predict_rois``' (scores, boxes) per image, with each student's softmax (K, R_i, C+1)."""
         with _autocast_off(roi_features):
             return self._predict_rois(_full_precision(roi_features), proposals, image_sizes, original_sizes)
 
@@ -463,29 +496,31 @@ class WeaklySupervisedDetector(nn.Module):
         proposals: Sequence[Tensor],
         image_sizes: Sequence[ImageSize],
         original_sizes: Sequence[ImageSize],
-    ) -> list[tuple[Tensor, Tensor]]:
+    ) -> list[tuple[Tensor, Tensor, Tensor]]:
         rois = torch.cat(list(proposals))
+        counts = [len(p) for p in proposals]
         num_columns = self.num_classes + 1
         outputs = [student(roi_features) for student in self.students]
+        student_probs = [F.softmax(logits, dim=1) for logits, _ in outputs]
+        heads = {name: head(roi_features) for name, head in self.method_heads.items()}
+        deltas = None
         if outputs:
-            probs = torch.stack([F.softmax(logits, dim=1) for logits, _ in outputs]).mean(dim=0)
+            probs, deltas = self.method.detection(student_probs, [d for _, d in outputs], heads)
         else:  # WSDDN: softmax over classes x softmax over each image's ROIs, as the MIL loss sees them
-            probs = self.mil_head(roi_features, [len(p) for p in proposals])
-        if self.method.box_regression and outputs:
-            boxes = decode_boxes(torch.stack([d for _, d in outputs]).mean(dim=0), rois)
+            probs = self.mil_head(roi_features, counts)
+        if deltas is not None:
+            boxes = decode_boxes(deltas, rois)
         else:  # every class keeps the proposal's box
             boxes = rois[:, None, :].expand(-1, num_columns, 4)
+        per_student = torch.stack(student_probs) if student_probs else probs.new_zeros(0, *probs.shape)
         results = []
-        for image_probs, image_boxes, size, original in zip(
-            probs.split([len(p) for p in proposals]),
-            boxes.split([len(p) for p in proposals]),
-            image_sizes,
-            original_sizes,
-            strict=True,
-        ):
+        for image_probs, image_boxes, image_students, size, original in zip(
+            probs.split(counts), boxes.split(counts), per_student.split(counts, dim=1), image_sizes,
+            original_sizes, strict=True,
+        ):  # fmt: skip
             image_boxes = clip_boxes_to_image(image_boxes, size)
             scale = image_boxes.new_tensor([original[1] / size[1], original[0] / size[0]] * 2)
-            results.append((image_probs, image_boxes * scale))
+            results.append((image_probs, image_boxes * scale, image_students))
         return results
 
     @torch.no_grad()
@@ -509,40 +544,40 @@ class WeaklySupervisedDetector(nn.Module):
     ) -> list[dict[str, Tensor]]:
         """One test view of a batch -> per image its per-ROI ``scores`` (R, C+1), ``boxes`` (R, C+1, 4)
         in original pixels (flips undone) and ``image_scores`` (C,), averaged over the views by
-        ``merge_views`` before the NMS (docs/METHOD.md §5). ``settings`` are not needed per view."""
+        ``merge_views`` before the NMS (docs/METHOD.md §5), and each student's softmax
+        ``student_scores`` (K, R, C+1), which a method may mix with (``mix_predictions``). ``settings``
+        are not needed per view."""
         proposals = inputs["proposals"]
         features = self.roi_features(inputs["images"], proposals)
-        per_roi = self.predict_rois(features, proposals, inputs["image_sizes"], inputs["original_sizes"])
+        per_roi = self._per_roi(features, proposals, inputs["image_sizes"], inputs["original_sizes"])
         per_image = self.image_scores(features, proposals)
         return [
             {
                 "scores": scores,
                 "boxes": unflip_boxes(boxes, size[1]) if flip else boxes,
                 "image_scores": image,
+                "student_scores": students,
             }
-            for (scores, boxes), size, flip, image in zip(
+            for (scores, boxes, students), size, flip, image in zip(
                 per_roi, inputs["original_sizes"], flipped, per_image, strict=True
             )
         ]
 
     def mix_predictions(self, own: dict[str, Tensor], teacher: dict[str, Tensor]) -> dict[str, Tensor]:
         """One image-view's ``predict_view`` record mixed with its EMA teacher's on the same ROIs
-        (``model.eval_weights=mix``): class probabilities by the method's ``mix_scores``, boxes and
-        image scores averaged."""
-        return {
-            "scores": self.method.mix_scores(own["scores"], teacher["scores"]),
-            "boxes": (own["boxes"] + teacher["boxes"]) / 2,
-            "image_scores": (own["image_scores"] + teacher["image_scores"]) / 2,
-        }
+        (``model.eval_weights=mix``), as the method says (``RefinementMethod.mix_predictions``: by
+        default the class probabilities by its ``mix_scores``, boxes and image scores averaged)."""
+        return self.method.mix_predictions(own, teacher)
 
     def merge_views(
         self, views: Sequence[dict[str, Tensor]], settings: DetectionSettings
     ) -> dict[str, Tensor]:
         """One image's ``predict_view`` records -> its detections: per-ROI scores, boxes and image scores
         averaged over the views (every view shares the image's proposals), then ``postprocess``."""
-        total = dict(views[0])
+        merged = ("scores", "boxes", "image_scores")
+        total = {name: views[0][name] for name in merged}
         for view in views[1:]:
-            total = {name: total[name] + view[name] for name in total}
+            total = {name: total[name] + view[name] for name in merged}
         detections = self.postprocess(total["scores"] / len(views), total["boxes"] / len(views), settings)
         detections["image_scores"] = total["image_scores"] / len(views)
         return detections
@@ -595,6 +630,16 @@ def per_class_nms(
     boxes, scores, labels = boxes[keep], scores[keep], labels[keep]
     kept = batched_nms(boxes.float(), scores.float(), labels, nms_iou)[:top]
     return {"boxes": boxes[kept], "scores": scores[kept], "labels": labels[kept]}
+
+
+def _check_method_heads(method: RefinementMethod, heads: nn.ModuleDict) -> None:
+    """The detector holds exactly the heads its method builds (``head_names``), by name."""
+    expected = sorted(method.head_names)
+    if sorted(heads) != expected:
+        raise ValueError(
+            f"{type(method).__name__} trains the heads {expected}, but the detector was given"
+            f" {sorted(heads)}: build them with method.build_heads(in_features, num_classes)"
+        )
 
 
 def _check_students(method: RefinementMethod, students: Sequence[RefinementStudent]) -> None:
@@ -704,6 +749,7 @@ def detector_from_backbone(
         base=backbone.base,
         roi_head=roi_head,
         mil_head=MILHead(backbone.feature_dim, num_classes),
+        method_heads=method.build_heads(backbone.feature_dim, num_classes),
         students=[
             RefinementStudent(backbone.feature_dim, num_classes, box_regression=method.box_regression)
             for _ in range(num_students)

@@ -41,6 +41,7 @@ from torchvision.models.detection.roi_heads import RoIHeads
 from torchvision.models.detection.transform import GeneralizedRCNNTransform
 
 from wsod.modeling.detector import per_class_nms, postprocess_rois
+from wsod.modeling.method import TrainingProgress
 from wsod.modeling.protocol import DetectionSettings, TrainingOutput, check_keep, unflip_boxes
 from wsod.modeling.resnet import build_resnet_trunk, stage_channels
 
@@ -119,13 +120,14 @@ class FasterRCNNDetector(nn.Module):
         targets: Sequence[dict[str, Tensor]] | None = None,
         views: int = 1,
         *,
+        progress: TrainingProgress | None = None,
         keep: Collection[str] = (),
     ) -> TrainingOutput:
         """Training losses of a collated batch: images (B, 3, Hp, Wp) padded, ``image_sizes`` their
         unpadded (h, w), ``original_sizes`` (H, W) on disk, ``targets`` with ``boxes`` (G, 4) in resized
         pixels and ``box_labels`` (G,) in 0..C-1. ``proposals`` and ``image_labels`` are not used; each
-        of ``views`` views is an image of its own. ``keep``: torchvision's heads expose no ROI features,
-        so only ``()`` is accepted."""
+        of ``views`` views is an image of its own; ``progress`` is not used either (its losses follow no
+        schedule). ``keep``: torchvision's heads expose no ROI features, so only ``()`` is accepted."""
         if check_keep(keep):
             raise ValueError(f"FasterRCNNDetector keeps nothing besides its losses, asked for {sorted(keep)}")
         if not self.training:

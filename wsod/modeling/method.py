@@ -28,8 +28,15 @@ understands.
 
 Beyond the per-student losses, a method may add losses over the whole batch (``batch_losses``): it then
 sees every view of each image (``MethodBatch``: the batch holds B images x V views, image-major), every
-head's outputs, and the EMA teacher's per-ROI scores (``RoiScores``) when the run has a teacher
-(``solver.ema``). Their names come last in ``loss_names``.
+head's outputs, the EMA teacher's per-ROI scores (``RoiScores``) when the run has a teacher
+(``solver.ema``), and where the training stands (``TrainingProgress``). Their names come last in
+``loss_names``.
+
+A method may own heads besides the students (``build_heads``: CBL's R-CNN head); the detector builds
+them on the same ROI features, passes their outputs in ``MethodBatch.heads`` and asks the method what
+it predicts with (``detection``). It may weigh the MIL loss by the training's progress
+(``mil_loss_weight``), say which student tensors an EMA teacher's tensors follow (``teacher_sources``)
+and how its predictions mix with its teacher's at test time (``mix_predictions``).
 """
 
 from __future__ import annotations
@@ -37,12 +44,19 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import ClassVar
+from typing import Any, ClassVar
 
 import torch
-from torch import Tensor
+from torch import Tensor, nn
 
-__all__ = ["PseudoLabels", "RoiScores", "MethodBatch", "RefinementMethod", "check_source_scores"]
+__all__ = [
+    "PseudoLabels",
+    "RoiScores",
+    "TrainingProgress",
+    "MethodBatch",
+    "RefinementMethod",
+    "check_source_scores",
+]
 
 
 @dataclass(frozen=True)
@@ -125,6 +139,25 @@ class RoiScores:
 
 
 @dataclass(frozen=True)
+class TrainingProgress:
+    """Where a training run stands: the 0-based ``iteration`` of the optimizer step being computed, of
+    ``max_iter``. The loop gives it to every training forward, so that a method whose losses follow a
+    schedule (CBL's loss weights and thresholds) computes the same step on a resume."""
+
+    iteration: int
+    max_iter: int
+
+    def __post_init__(self) -> None:
+        if self.max_iter < 1 or self.iteration < 0:
+            raise ValueError(f"TrainingProgress: need 0 <= iteration and max_iter >= 1, got {self}")
+
+    @property
+    def fraction(self) -> float:
+        """iteration / max_iter."""
+        return self.iteration / self.max_iter
+
+
+@dataclass(frozen=True)
 class MethodBatch:
     """One training batch as ``RefinementMethod.batch_losses`` sees it (full precision).
 
@@ -135,7 +168,11 @@ class MethodBatch:
     views: V;
     mil_scores: (R, C+1) the MIL head's ROI scores (with their graph);
     student_logits: K x (R, C+1) each student's logits (with their graph);
-    teacher: the EMA teacher's ``RoiScores`` on the same views and ROIs, or None without a teacher.
+    teacher: the EMA teacher's ``RoiScores`` on the same views and ROIs, or None without a teacher;
+    heads: each of the method's own heads' (``build_heads``) outputs on the batch's ROI features (with
+        their graph), by name;
+    progress: where the training stands, or None when the caller did not say (a forward outside the
+        training loop).
     """
 
     proposals: Sequence[Tensor]
@@ -144,6 +181,8 @@ class MethodBatch:
     mil_scores: Tensor
     student_logits: tuple[Tensor, ...]
     teacher: RoiScores | None = None
+    heads: Mapping[str, Any] = field(default_factory=dict)
+    progress: TrainingProgress | None = None
 
     @property
     def counts(self) -> list[int]:
@@ -179,6 +218,8 @@ class RefinementMethod(ABC):
 
     box_regression: ClassVar[bool] = True
     trains_students: ClassVar[bool] = True
+    # The names of the heads ``build_heads`` makes (the detector checks it holds exactly these).
+    head_names: ClassVar[tuple[str, ...]] = ()
     # Whether ``pseudo_labels`` follows an image's partial labels (points, scribbles, boxes; see
     # wsod.modeling.partial_labels): the detector refuses to train a method that would ignore them.
     reads_partial_labels: ClassVar[bool] = False
@@ -228,6 +269,49 @@ class RefinementMethod(ABC):
         """The per-ROI class probabilities (R, C+1) evaluation uses with ``model.eval_weights=mix``,
         from the student's and the EMA teacher's on the same ROIs. Default: their mean."""
         return (student + teacher) / 2
+
+    def mix_predictions(self, own: Mapping[str, Tensor], teacher: Mapping[str, Tensor]) -> dict[str, Tensor]:
+        """One image-view's prediction record (``WeaklySupervisedDetector.predict_view``: ``scores``
+        (R, C+1), ``boxes`` (R, C+1, 4), ``image_scores`` (C,), ``student_scores`` (K, R, C+1)) mixed
+        with its EMA teacher's on the same ROIs (``model.eval_weights=mix``). Default: the scores by
+        ``mix_scores``, the boxes and image scores averaged."""
+        return {
+            "scores": self.mix_scores(own["scores"], teacher["scores"]),
+            "boxes": (own["boxes"] + teacher["boxes"]) / 2,
+            "image_scores": (own["image_scores"] + teacher["image_scores"]) / 2,
+        }
+
+    def build_heads(self, in_features: int, num_classes: int) -> dict[str, nn.Module]:
+        """The method's own heads on the (R, D = ``in_features``) ROI features, besides the MIL head and
+        the students, by name (the detector holds them as ``method_heads.<name>``): exactly
+        ``head_names``. Default: none."""
+        return {}
+
+    def detection(
+        self,
+        student_probs: Sequence[Tensor],
+        student_deltas: Sequence[Tensor | None],
+        heads: Mapping[str, Any],
+    ) -> tuple[Tensor, Tensor | None]:
+        """What inference predicts with, per ROI: from each student's softmax (R, C+1), its box deltas
+        (R, 4 (C+1)) or None, and the method's heads' outputs, the class probabilities (R, C+1) and the
+        box deltas (R, 4 (C+1)), or None to keep each proposal's box. Default: the students' mean
+        probabilities and, with ``box_regression``, their mean deltas."""
+        probs = torch.stack(list(student_probs)).mean(dim=0)
+        if not self.box_regression:
+            return probs, None
+        return probs, torch.stack(list(student_deltas)).mean(dim=0)
+
+    def mil_loss_weight(self, progress: TrainingProgress | None) -> float:
+        """The factor of the MIL loss at this point of the training. Default: 1."""
+        return 1.0
+
+    def teacher_sources(self, num_students: int) -> dict[str, dict[str, float]]:
+        """For an EMA teacher (``solver.ema``): ``{teacher state name: {student state name: weight}}``,
+        the teacher tensors that follow a weighted sum of student tensors instead of their namesake
+        (``wsod.engine.ema.EMATeacher``'s ``sources``; names as in the detector's ``state_dict``).
+        Default: none."""
+        return {}
 
     def loss_scales(self, student: int, records: Sequence[PseudoLabels]) -> dict[str, Tensor]:
         """How much pseudo-label weight each of the student's losses carries on this batch: a detached

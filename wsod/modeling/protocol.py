@@ -9,7 +9,9 @@ Training (``model.train()``): ``model(**model_inputs(batch), **teacher_inputs, k
 ``TrainingOutput``: the named losses (``loss_names``, in that order), plus the (R, D) ROI features and
 each loss's pseudo-label weight scale when ``keep`` asks for them (a companion that combines the losses,
 GradNorm, does). ``views`` (the batch's, ``wsod.data.loader``): the batch holds B images x V views,
-flattened image-major (row ``i * V + v``).
+flattened image-major (row ``i * V + v``). ``progress`` (``wsod.modeling.method.TrainingProgress``):
+where the training stands, which the training step passes to every forward (a model whose losses follow
+no schedule ignores it).
 
 Prediction, one test view at a time (``wsod.engine.inference.predict``): ``predict_view`` gives one
 opaque record per image of the batch, in original pixels with flips undone; ``merge_views`` turns one
@@ -19,7 +21,9 @@ per-ROI scores the random baseline uses.
 
 Teacher and student (``wsod.engine.ema``): ``module_groups`` names the modules the EMA follows
 (``"backbone"``, ``"neck"``, ``"heads"``); ``teacher_inputs`` is what this model, as a teacher, gives its
-student's forward (the weakly-supervised detector: ``teacher_scores``, its per-ROI ``RoiScores``).
+student's forward (the weakly-supervised detector: ``teacher_scores``, its per-ROI ``RoiScores``). A
+model may also name weighted sources for some teacher tensors (``teacher_sources``, optional: the
+weakly-supervised detector's come from its method, CBL's).
 """
 
 from __future__ import annotations
