@@ -89,7 +89,7 @@ def test_a_config_saved_before_the_method_settings_moved_resumes_without_a_chang
 def test_a_method_named_by_import_path_passes_the_checks_and_a_misspelt_name_does_not():
     check_config(_compose("train", ["method.name=my_methods:PCL"]), TRAIN_RULES)
     with pytest.raises(
-        ConfigError, match="method.name='mits': expected one of mist, oicr, pcl, wsddn, or an import"
+        ConfigError, match="method.name='mits': expected one of mist, oicr, pcl, wsddn, cbl, or an import"
     ):
         check_config(_compose("train", ["method.name=mits"]), TRAIN_RULES)
 

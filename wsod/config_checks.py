@@ -429,13 +429,20 @@ def _gradnorm_problems(values: Mapping[str, Any], method: Any) -> list[str]:
 
 
 def _teacher_problems(flat: Mapping[str, Any]) -> list[str]:
-    """Evaluating the EMA teacher needs one, and a teacher that follows nothing is a frozen copy."""
+    """Evaluating the EMA teacher needs one, as does a method that learns from it (CBL), and a teacher
+    that follows nothing is a frozen copy."""
     problems = []
     eval_weights = flat.get("model.eval_weights", "student")
     if eval_weights != "student" and not flat.get("solver.ema.enabled", False):
         problems.append(
             f"model.eval_weights={eval_weights}: evaluates the EMA teacher, which this run does not train;"
             " set solver.ema.enabled=true, or model.eval_weights=student"
+        )
+    name = flat.get("method.name")
+    if name in METHODS and METHODS[name].needs_teacher and not flat.get("solver.ema.enabled", False):
+        problems.append(
+            f"method.name={name}: learns from an EMA teacher, which this run does not train; set"
+            f" solver.ema.enabled=true (configs/method/{name}.yaml does)"
         )
     if flat.get("solver.ema.enabled", False) and not flat.get("solver.ema.follow"):
         problems.append(

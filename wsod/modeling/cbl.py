@@ -203,6 +203,7 @@ class CBLMethod(RefinementMethod):
 
     box_regression: ClassVar[bool] = False  # the students classify; the R-CNN head regresses
     head_names: ClassVar[tuple[str, ...]] = (RCNN,)
+    needs_teacher: ClassVar[bool] = True
 
     def __init__(
         self,

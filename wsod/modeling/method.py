@@ -218,6 +218,9 @@ class RefinementMethod(ABC):
 
     box_regression: ClassVar[bool] = True
     trains_students: ClassVar[bool] = True
+    # Whether the method learns from an EMA teacher (``MethodBatch.teacher``): the config checks then
+    # refuse a run without one (``solver.ema.enabled``).
+    needs_teacher: ClassVar[bool] = False
     # The names of the heads ``build_heads`` makes (the detector checks it holds exactly these).
     head_names: ClassVar[tuple[str, ...]] = ()
     # Whether ``pseudo_labels`` follows an image's partial labels (points, scribbles, boxes; see
