@@ -1,4 +1,5 @@
-"""Pseudo-labelling time per image and student of MIST, OICR and PCL (synthetic inputs, one process).
+"""Pseudo-labelling time per image and student of MIST, OICR, PCL and CBL, and of CBL's R-CNN seeds
+(``cbl_rcnn``, once per image), on synthetic inputs in one process.
 
     python tools/benchmark_labelers.py --proposals 500,2000 --device cpu --repeats 3
 
@@ -19,7 +20,9 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    parser.add_argument("--methods", default="mist,oicr,pcl", help="comma list of methods with students")
+    parser.add_argument(
+        "--methods", default="mist,oicr,pcl,cbl,cbl_rcnn", help="comma list of methods with students"
+    )
     parser.add_argument("--proposals", default="2000", help="comma list of proposal counts per image")
     parser.add_argument("--classes", type=int, default=20, help="classes (VOC: 20)")
     parser.add_argument("--positive", type=int, default=3, help="classes present in the image")

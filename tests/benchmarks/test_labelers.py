@@ -24,10 +24,10 @@ def test_the_documented_command_prints_one_row_per_method_and_size():
         check=True,
     )
     rows = [line for line in result.stdout.splitlines() if line.startswith("| ") and "cpu" in line]
+    methods = ["mist", "oicr", "pcl", "cbl", "cbl_rcnn"]
     assert [row.split(" | ")[0:3] for row in rows] == [
-        ["| mist", "cpu", "500"], ["| oicr", "cpu", "500"], ["| pcl", "cpu", "500"],
-        ["| mist", "cpu", "2000"], ["| oicr", "cpu", "2000"], ["| pcl", "cpu", "2000"],
-    ]  # fmt: skip
+        [f"| {method}", "cpu", size] for size in ("500", "2000") for method in methods
+    ]
     assert all(row.endswith(" |") for row in rows) and rows[0].split(" | ")[-1] == "1.00 |"
 
 
@@ -47,3 +47,4 @@ def test_time_labeling_reports_its_repeats_and_refuses_a_method_without_students
         time_labeling("wsddn", 200)
     with pytest.raises(ValueError, match="unknown method 'pcll'"):
         time_labeling("pcll", 200)
+    assert time_labeling("cbl_rcnn", 200, repeats=1, warmup=0).method == "cbl_rcnn"

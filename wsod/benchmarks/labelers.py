@@ -1,8 +1,11 @@
-"""Pseudo-labelling time per image of the refinement methods (MIST, OICR, PCL) on synthetic inputs.
+"""Pseudo-labelling time per image of the refinement methods (MIST, OICR, PCL, CBL) on synthetic inputs.
 
 What one student's labelling costs for one image: ``method.pseudo_labels`` on R proposals with C class
 scores of which a few classes are present, timed on the device the scores live on (CUDA timings wait
-for the device). A training step labels every image once per student.
+for the device). A training step labels every image once per student. ``cbl_rcnn`` is CBL's other
+labelling, once per image and step: its R-CNN head's multi-seeds (``CBLMethod.rcnn_pseudo_labels``
+after the switch), from three students' and a teacher's scores (the synthetic scores, rolled along the
+ROIs so that each branch ranks them differently).
 
 Inputs are synthetic but shaped like training's: boxes of random position and size in a 600 x 1000
 image, and source scores as the MIL teacher makes them (softmax over classes x softmax over the ROIs,
@@ -13,15 +16,29 @@ from __future__ import annotations
 
 import statistics
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from functools import partial
 
 import torch
 from torch import Tensor
 
+from wsod.modeling.cbl import CBLMethod
 from wsod.modeling.detector import METHODS
+from wsod.modeling.method import TrainingProgress
 
-__all__ = ["LabelingTime", "synthetic_image", "time_labeling", "format_table"]
+__all__ = ["LabelingTime", "LABELINGS", "synthetic_image", "time_labeling", "format_table"]
+
+# Labellings besides each method's per-student ``pseudo_labels``: name -> the labelling of one image.
+LABELINGS: dict[str, Callable[[Tensor, Tensor, dict[str, Tensor]], object]] = {
+    "cbl_rcnn": lambda proposals, scores, targets: CBLMethod().rcnn_pseudo_labels(
+        proposals,
+        [scores, scores.roll(1, dims=0), scores.roll(2, dims=0)],
+        torch.cat([scores.new_zeros(len(scores), 1), scores.roll(3, dims=0)], dim=1),
+        targets["labels"],
+        TrainingProgress(1, 2),
+    ),
+}
 
 
 @dataclass(frozen=True)
@@ -69,11 +86,16 @@ def time_labeling(
 ) -> LabelingTime:
     """Median and least time of ``repeats`` calls of one student's ``pseudo_labels`` (student 2: its
     source is a student's softmax, as for every student after the first), after ``warmup`` calls."""
-    if method_name not in METHODS:
-        raise ValueError(f"unknown method '{method_name}': expected one of {sorted(METHODS)}")
-    method = METHODS[method_name]()
-    if not method.trains_students:
-        raise ValueError(f"method '{method_name}' trains no students: it makes no pseudo-labels")
+    if method_name in LABELINGS:
+        labeling = LABELINGS[method_name]
+    elif method_name in METHODS:
+        method = METHODS[method_name]()
+        if not method.trains_students:
+            raise ValueError(f"method '{method_name}' trains no students: it makes no pseudo-labels")
+        labeling = partial(method.pseudo_labels, 2)
+    else:
+        known = sorted([*METHODS, *LABELINGS])
+        raise ValueError(f"unknown method '{method_name}': expected one of {known}")
     device = torch.device(device)
     proposals, scores, targets = synthetic_image(
         num_proposals, num_classes, positive_classes, seed=seed, device=device
@@ -82,7 +104,7 @@ def time_labeling(
     for call in range(warmup + repeats):
         _synchronize(device)
         start = time.perf_counter()
-        method.pseudo_labels(2, proposals, scores, targets)
+        labeling(proposals, scores, targets)
         _synchronize(device)
         if call >= warmup:
             times.append((time.perf_counter() - start) * 1000)

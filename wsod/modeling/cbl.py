@@ -367,27 +367,40 @@ class CBLMethod(RefinementMethod):
         counts: list[int],
         progress: TrainingProgress,
     ) -> list[PseudoLabels]:
-        """The R-CNN head's per-image records: student K's top-1 seeds, or multi-seeds once
-        ``multi_seed``. student_probs: K x (R, C) softmax foreground columns; teacher: per image
-        (R_i, C+1)."""
-        per_image = list(zip(*[s.split(counts) for s in student_probs], strict=True))
-        records = []
-        for boxes, students, teacher_probs, image_labels in zip(
-            proposals, per_image, teacher, labels, strict=True
-        ):
-            if not self.multi_seed(progress):
-                seeds = top1_seeds(boxes, students[-1], image_labels, score_clip=self.score_clip)
-            else:
-                clip = (self.score_clip, 1 - self.score_clip)
-                clipped = [s.clamp(*clip) for s in students]
-                ensemble = (teacher_probs[:, 1:].clamp(*clip) + clipped[-1]) / 2
-                seeds = multi_seeds(
-                    boxes, [ensemble, *clipped[:-1]], image_labels, top_fraction=self.top_fraction,
-                    score_ratio=self.score_ratio, nms_iou=self.nms_iou, vote_iou=self.vote_iou,
-                    vote_gamma=self.vote_gamma, vote_offset=self.vote_offset,
-                )  # fmt: skip
-            records.append(self._seed_record(boxes, seeds))
-        return records
+        """``rcnn_pseudo_labels`` of each image; student_probs: K x (R, C) softmax foreground columns of
+        the batch, teacher: per image (R_i, C+1)."""
+        per_image = zip(*[s.split(counts) for s in student_probs], strict=True)
+        return [
+            self.rcnn_pseudo_labels(boxes, students, teacher_probs, image_labels, progress)
+            for boxes, students, teacher_probs, image_labels in zip(
+                proposals, per_image, teacher, labels, strict=True
+            )
+        ]
+
+    @torch.no_grad()
+    def rcnn_pseudo_labels(
+        self,
+        proposals: Tensor,
+        student_probs: Sequence[Tensor],
+        teacher_probs: Tensor,
+        image_labels: Tensor,
+        progress: TrainingProgress,
+    ) -> PseudoLabels:
+        """One image's R-CNN record: student K's top-1 seeds, or multi-seeds once ``multi_seed``
+        (branches [(teacher + student K) / 2, student 1, ..., student K-1], each clipped). student_probs:
+        K x (R, C) softmax foreground columns; teacher_probs: (R, C+1)."""
+        if not self.multi_seed(progress):
+            seeds = top1_seeds(proposals, student_probs[-1], image_labels, score_clip=self.score_clip)
+            return self._seed_record(proposals, seeds)
+        clip = (self.score_clip, 1 - self.score_clip)
+        clipped = [s.clamp(*clip) for s in student_probs]
+        ensemble = (teacher_probs[:, 1:].clamp(*clip) + clipped[-1]) / 2
+        seeds = multi_seeds(
+            proposals, [ensemble, *clipped[:-1]], image_labels, top_fraction=self.top_fraction,
+            score_ratio=self.score_ratio, nms_iou=self.nms_iou, vote_iou=self.vote_iou,
+            vote_gamma=self.vote_gamma, vote_offset=self.vote_offset,
+        )  # fmt: skip
+        return self._seed_record(proposals, seeds)
 
     # -- inference --------------------------------------------------------------------------------------
 
