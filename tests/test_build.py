@@ -79,7 +79,7 @@ def test_load_detector_refuses_what_is_not_a_wsod_checkpoint(tmp_path):
 
 
 def test_unknown_method_names_the_key_the_choices_and_the_import_path_form():
-    expected = r"expected one of \['mist', 'oicr', 'pcl', 'wsddn'\] or an import path module:ClassName"
+    expected = r"expected one of \['cbl', 'mist', 'oicr', 'pcl', 'wsddn'\] or an import path module:ClassName"
     with pytest.raises(ValueError, match=r"unknown method.name='pcll': " + expected):
         build_method({"name": "pcll"})
     with pytest.raises(ValueError, match=r"method.name='no_such_module:PCL': cannot import no_such_module"):

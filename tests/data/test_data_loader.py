@@ -61,7 +61,7 @@ def test_collate_pads_to_the_size_divisor_and_keeps_per_image_fields():
 
 def test_model_inputs_are_exactly_the_detector_keyword_arguments():
     parameters = inspect.signature(WeaklySupervisedDetector.forward).parameters
-    options = {"self", "teacher_scores", "keep"}  # what the step adds (a teacher's scores, extras), not data
+    options = {"self", "teacher_scores", "progress", "keep"}  # what the step adds (teacher, progress, extras)
     assert set(MODEL_INPUT_KEYS) == set(parameters) - options
     batch = collate([_item(40, 70, "a")])
     inputs = model_inputs(batch, device="cpu")
