@@ -206,6 +206,16 @@ def test_runs_are_grouped_by_every_setting_that_differs_except_seed_and_output_d
     assert [(g.label, g.seeds) for g in alike.groups] == [("all runs", [1, 1, 1, 1])]
 
 
+def test_a_method_that_sets_other_keys_is_named_by_its_name(tmp_path):
+    # method=cbl also sets model.eval_weights, which comes first in the config: the label is the choice.
+    root = tmp_path / "sweep"
+    fake_run(root / "cbl", "method=cbl", final=evaluation(0.5, 0.5, 0.5, 0.5))
+    fake_run(root / "mist", "method=mist", final=evaluation(0.4, 0.4, 0.4, 0.4))
+    summary = summarize_runs([root])
+    assert summary.keys == ("method.name",)
+    assert [g.label for g in summary.groups] == ["method.name=cbl", "method.name=mist"]
+
+
 def test_by_folder_keeps_the_runs_of_each_folder_apart(tmp_path):
     # Second-stage runs: each seed on its own pseudo boxes, two export rules whose configs name no rule.
     for folder, maps in (("stage2", (0.5, 0.7)), ("stage2_top1", (0.4, 0.6))):

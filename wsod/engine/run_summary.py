@@ -23,7 +23,7 @@ error naming it.
 setting of each run).
 A group's label names the fewest of the differing keys that still tell the groups apart: for a method
 sweep ``method.name=mist``, not every ``method.*`` key that comes with the method. Keys present in every
-run are preferred, then the config's order.
+run are preferred, a choice's ``name`` first, then the config's order.
 
 **Statistics** per group: the mean, min and max over the runs of each metric and per-class value,
 counting the defined values only (NaN: a class without ground truth; negative: COCOeval's -1), and the
@@ -338,6 +338,9 @@ def group_runs(runs: Sequence[RunResult], ignore: Sequence[str] = ()) -> tuple[l
     # The fewest keys that split the runs as all varying keys do: keys every run has first, because a
     # key that only some runs have comes with a choice another key names (method.p with method.name).
     everywhere = [key for key in varying if all(key in run.config for run in runs)]
+    # A choice's name first (method.name): the settings that come with a choice (method=cbl also sets
+    # model.eval_weights and solver.ema) would otherwise name the group when they come earlier.
+    everywhere.sort(key=lambda key: not key.endswith(".name"))
     label_keys: list[str] = []
     for key in everywhere + [key for key in varying if key not in everywhere]:
         if len(_partition(runs, label_keys)) == len(blocks):
