@@ -371,3 +371,22 @@ def test_a_method_batch_view_of_the_teacher_reads_student_k():
     assert torch.equal(CBLMethod.teacher_scores(scores), torch.full((2, 3), 2.0))
     assert MethodBatch([], [], 1, torch.zeros(0, 3), ()).progress is None
     assert math.isclose(CBLMethod().ramp_length, 8 / 7)
+
+
+def test_a_detector_holds_exactly_its_methods_heads_and_progress_is_checked():
+    from wsod.modeling.detector import WeaklySupervisedDetector
+    from wsod.modeling.mil import MILHead
+    from wsod.modeling.refinement import RefinementStudent
+
+    parts = dict(base=torch.nn.Identity(), roi_head=torch.nn.Identity(), mil_head=MILHead(8, 3))
+    students = [RefinementStudent(8, 3, box_regression=False)]
+    with pytest.raises(ValueError, match=r"trains the heads \['rcnn'\], but the detector was given \[\]"):
+        WeaklySupervisedDetector(**parts, students=students, method=CBLMethod())
+    heads = CBLMethod().build_heads(8, 3)
+    with pytest.raises(ValueError, match=r"trains the heads \[\]"):
+        WeaklySupervisedDetector(**parts, students=[RefinementStudent(8, 3)], method_heads=heads)
+    with pytest.raises(ValueError, match="TrainingProgress"):
+        TrainingProgress(-1, 10)
+    with pytest.raises(ValueError, match="TrainingProgress"):
+        TrainingProgress(0, 0)
+    assert TrainingProgress(3, 12).fraction == 0.25
