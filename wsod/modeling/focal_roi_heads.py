@@ -7,7 +7,11 @@ only its training forward differs: the classification loss over the sampled ROIs
     FL = mean over ROIs of (1 - p_t)^gamma x CE,   CE = -log p_t,   p_t = softmax(logits)[label],
 
 which is the cross-entropy at gamma = 0; the box loss is torchvision's ``fastrcnn_loss``'s. Evaluation is
-torchvision's forward, unchanged. Box heads only (no mask or keypoint branch).
+torchvision's forward, unchanged. Box heads only (no mask or keypoint branch). The reference's
+(facebookresearch/unbiased-teacher, MIT, ``ubteacher/modeling/roi_heads/fast_rcnn.py``): gamma 1.5
+(line 75), no class weight (``weight`` is stored, never used), the sum over the sampled ROIs divided by
+their number (line 79); SoS-WSOD's copy is the same (``unbias/ubteacher/modeling/roi_heads/
+fast_rcnn.py`` lines 77, 81).
 """
 
 from __future__ import annotations
