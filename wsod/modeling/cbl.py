@@ -43,7 +43,13 @@ from torchvision.ops import box_iou, nms
 from wsod.modeling.box_coder import encode_boxes
 from wsod.modeling.method import MethodBatch, PseudoLabels, RefinementMethod, RoiScores, TrainingProgress
 from wsod.modeling.mil import init_linear
-from wsod.modeling.refinement import PseudoBoxes, RefinementStudent, oicr_pseudo_boxes, refinement_losses
+from wsod.modeling.refinement import (
+    PseudoBoxes,
+    RefinementStudent,
+    oicr_pseudo_boxes,
+    refinement_losses,
+    roi_normalizer,
+)
 
 __all__ = [
     "CBLMethod",
@@ -321,7 +327,7 @@ class CBLMethod(RefinementMethod):
     ) -> dict[str, Tensor]:
         ce = F.cross_entropy(logits, torch.cat([r.labels for r in records]), reduction="none")
         weights = torch.cat([r.weights for r in records])
-        return {f"loss_ref_cls_{student}": (weights * ce * _roi_normalizer(logits, records)).sum()}
+        return {f"loss_ref_cls_{student}": (weights * ce * roi_normalizer(logits, records)).sum()}
 
     # -- the teacher's losses and the R-CNN head --------------------------------------------------------
 
@@ -352,7 +358,7 @@ class CBLMethod(RefinementMethod):
             torch.cat([r.labels for r in records]),
             torch.cat([r.weights for r in records]),
             torch.cat([r.targets for r in records]),
-            _roi_normalizer(logits, records),
+            roi_normalizer(logits, records),
         )
         weight = 1.0 - self.mil_loss_weight(progress)
         return {"loss_distill": weight * distill, "loss_rcnn_cls": cls_loss, "loss_rcnn_box": box_loss}
@@ -423,8 +429,3 @@ class CBLMethod(RefinementMethod):
             "boxes": own["boxes"],
             "image_scores": own["image_scores"],
         }
-
-
-def _roi_normalizer(logits: Tensor, records: Sequence[PseudoLabels]) -> Tensor:
-    """(R,) 1 / (R_i x B) for an ROI of image i: a mean over each image's ROIs, then over images."""
-    return torch.cat([logits.new_full((len(r),), 1 / (len(r) * len(records))) for r in records])

@@ -46,6 +46,7 @@ __all__ = [
     "oicr_pseudo_boxes",
     "oicr_pseudo_labels",
     "refinement_losses",
+    "roi_normalizer",
 ]
 
 # A labeller's per-ROI (labels, weights, targets); the method record ``PseudoLabels`` holds the same three.
@@ -300,6 +301,12 @@ class OICRLabeler:
         return _assign_to_pseudo_boxes(proposals, *pseudo_boxes, self.fg_iou, strict=True)
 
 
+def roi_normalizer(logits: Tensor, records: Sequence[PseudoLabels]) -> Tensor:
+    """(R,) 1 / (R_i x B) for an ROI of image i (``records``: one per image, in order): weighted by it and
+    summed, a per-ROI loss is a mean over each image's ROIs, then over the B images."""
+    return torch.cat([logits.new_full((len(r),), 1 / (len(r) * len(records))) for r in records])
+
+
 def refinement_losses(
     logits: Tensor,
     deltas: Tensor,
@@ -383,14 +390,13 @@ class LabelerMethod(RefinementMethod):
         proposals: Sequence[Tensor],
     ) -> dict[str, Tensor]:
         # Each loss is a mean over an image's ROIs, then over the images (docs/METHOD.md §4).
-        roi_normalizer = torch.cat([logits.new_full((len(r),), 1 / (len(r) * len(records))) for r in records])
         cls_loss, box_loss = refinement_losses(
             logits,
             deltas,
             torch.cat([r.labels for r in records]),
             torch.cat([r.weights for r in records]),
             torch.cat([r.targets for r in records]),
-            roi_normalizer,
+            roi_normalizer(logits, records),
         )
         factor = self.first_student_loss_weight if student == 1 else 1.0
         return {f"loss_ref_cls_{student}": factor * cls_loss, f"loss_ref_box_{student}": factor * box_loss}
