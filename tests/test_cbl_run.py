@@ -4,15 +4,12 @@ weights of an uninterrupted one, the EMA teacher's included, past the switch to 
 from __future__ import annotations
 
 import os
-import signal
-import subprocess
 import sys
-import time
 from pathlib import Path
 
 import torch
 from hydra import compose, initialize_config_dir
-from tiny_run import tiny_overrides
+from tiny_run import kill_and_resume, tiny_overrides
 
 from wsod.build import load_detector
 from wsod.modeling.teacher_student import TeacherStudentPair
@@ -51,20 +48,7 @@ def test_cbl_trains_with_its_teacher_and_resumes_exactly_after_sigkill(tiny_toy_
     command = [sys.executable, "tools/train.py", *_overrides(tiny_toy_root, killed)]
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
     env.pop("HYDRA_FULL_ERROR", None)
-    process = subprocess.Popen(command, cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
-    deadline = time.monotonic() + 240
-    while not (killed / "model_0000002.pth").exists():
-        assert process.poll() is None, process.stderr.read().decode()
-        assert time.monotonic() < deadline, "no checkpoint within 240 s"
-        time.sleep(0.01)
-    os.kill(process.pid, signal.SIGKILL)
-    process.wait()
-    process.stderr.close()
-    assert not (killed / "model_final.pth").exists(), "the run ended before the kill: nothing was resumed"
-    resumed = subprocess.run(
-        [*command, "resume=true"], cwd=ROOT, env=env, capture_output=True, text=True, timeout=300
-    )
-    assert resumed.returncode == 0, resumed.stderr
+    kill_and_resume(command, killed, env, "model_0000002.pth")
 
     ours, reference = _final(killed), _final(straight)
     for part in ("model", "teacher"):

@@ -11,16 +11,13 @@ with the weights of an uninterrupted one, the teacher's included.
 from __future__ import annotations
 
 import os
-import signal
-import subprocess
 import sys
-import time
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 from hydra import compose, initialize_config_dir
-from tiny_run import tiny_overrides
+from tiny_run import kill_and_resume, tiny_overrides
 from torch import Tensor
 
 from wsod.build import load_detector
@@ -124,23 +121,7 @@ def test_a_method_of_a_test_file_trains_on_two_views_with_the_ema_teacher_and_re
         str(config_dir),
         *_overrides(tiny_toy_root, killed),
     ]
-    process = subprocess.Popen(
-        command, cwd=ROOT, env=_tool_env(), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE
-    )
-    deadline = time.monotonic() + 240
-    while not (killed / "model_0000002.pth").exists():
-        assert process.poll() is None, process.stderr.read().decode()
-        assert time.monotonic() < deadline, "no checkpoint within 240 s"
-        time.sleep(0.01)
-    os.kill(process.pid, signal.SIGKILL)
-    process.wait()
-    process.stderr.close()
-    assert not (killed / "model_final.pth").exists(), "the run ended before the kill: nothing was resumed"
-
-    resumed = subprocess.run(
-        [*command, "resume=true"], cwd=ROOT, env=_tool_env(), capture_output=True, text=True, timeout=300
-    )
-    assert resumed.returncode == 0, resumed.stderr
+    kill_and_resume(command, killed, _tool_env(), "model_0000002.pth")
     ours, reference = _final(killed), _final(straight)
     for part in ("model", "teacher"):
         assert ours[part].keys() == reference[part].keys()

@@ -3,7 +3,13 @@
 from __future__ import annotations
 
 import json
+import os
+import signal
+import subprocess
+import time
 from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
 
 TINY_TOY = {"num_train": 12, "num_test": 6}
 
@@ -39,3 +45,23 @@ def minimal_pseudo_labels(path: Path) -> Path:
     }
     path.write_text(json.dumps(content))
     return path
+
+
+def kill_and_resume(command: list[str], run_dir: Path, env: dict[str, str], checkpoint: str) -> None:
+    """Run ``command`` (a tools/train.py call writing into ``run_dir``), SIGKILL it once ``checkpoint``
+    is written, then run it again with ``resume=true`` to the end; fails if the run ended before the
+    kill or the resumed one fails."""
+    process = subprocess.Popen(command, cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    deadline = time.monotonic() + 240
+    while not (run_dir / checkpoint).exists():
+        assert process.poll() is None, process.stderr.read().decode()
+        assert time.monotonic() < deadline, f"no {checkpoint} within 240 s"
+        time.sleep(0.01)
+    os.kill(process.pid, signal.SIGKILL)
+    process.wait()
+    process.stderr.close()
+    assert not (run_dir / "model_final.pth").exists(), "the run ended before the kill: nothing was resumed"
+    resumed = subprocess.run(
+        [*command, "resume=true"], cwd=ROOT, env=env, capture_output=True, text=True, timeout=300
+    )
+    assert resumed.returncode == 0, resumed.stderr
