@@ -176,9 +176,7 @@ def ranking_distillation(
     overlaps = box_iou(proposals, boxes)
     max_iou = overlaps.amax(dim=1)
     assigned_class = classes[overlaps.argmax(dim=1)]
-    for g, c in enumerate(classes.tolist()):
-        if c in classes[:g].tolist():
-            continue  # one term per class (top-1 gives one seed per class)
+    for c, score in zip(classes.tolist(), scores, strict=True):  # top-1: one seed per positive class
         teacher = teacher_probs[:, c + 1].detach()
         members = (assigned_class == c) & (max_iou >= fg_iou) & (teacher > 0)
         count = int(members.sum())
@@ -187,7 +185,7 @@ def ranking_distillation(
         log_student = F.log_softmax(mil_scores[members, c + 1], dim=0)
         target = F.softmax(teacher[members], dim=0)
         kl = F.kl_div(log_student, target, reduction="sum") / count
-        total = total + scores[classes == c][-1].to(kl.dtype) * kl
+        total = total + score.to(kl.dtype) * kl
     return total
 
 
