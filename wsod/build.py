@@ -6,9 +6,11 @@ and ``wsod.config_checks`` checks it. See configs/ for the fields and their mean
 
 from __future__ import annotations
 
+import copy
 import logging
 import os
 from collections.abc import Callable
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -21,9 +23,11 @@ from wsod.config_compat import upgrade_model_settings
 from wsod.config_schema import plain
 from wsod.data.dataset import ConcatWeakDataset, WeakDetectionDataset
 from wsod.data.formats import DatasetFormat, dataset_format
+from wsod.data.labelled_split import read_split
 from wsod.data.loader import build_train_loader
 from wsod.data.pseudo_boxes import attach_pseudo_boxes
 from wsod.data.roi_sampling import PartialLabelRoiSampler
+from wsod.data.strong_augmentation import WeakStrongViews
 from wsod.data.targets import check_supervision
 from wsod.data.transforms import MultiViewTransform, train_transform
 from wsod.distributed import main_process_first
@@ -49,6 +53,7 @@ from wsod.modeling.faster_rcnn import FasterRCNNDetector, build_faster_rcnn
 from wsod.modeling.method import RefinementMethod
 from wsod.modeling.protocol import Detector
 from wsod.modeling.refinement import MISTLabeler, OICRLabeler, PseudoLabeler
+from wsod.modeling.semi_supervised_rcnn import SemiSupervisedFasterRCNN
 from wsod.modeling.teacher_student import TeacherStudentPair
 
 __all__ = [
@@ -155,10 +160,25 @@ def build_stage2_model(detector_cfg: DictConfig | dict, num_classes: int) -> Fas
     """The second-stage detector of a ``configs/detector`` node (every key but ``name`` is a
     ``build_faster_rcnn`` argument)."""
     options = _plain(detector_cfg)
+    options.pop("eval_weights", None)  # a third-stage checkpoint's: which weights evaluations use
     name = options.pop("name", FASTER_RCNN)
     if name != FASTER_RCNN:
         raise ValueError(f"detector.name='{name}': the second stage has one detector, {FASTER_RCNN}")
     return build_faster_rcnn(num_classes, **options)
+
+
+def build_stage3_model(
+    detector_cfg: DictConfig | dict, num_classes: int, semi_cfg: DictConfig | dict
+) -> SemiSupervisedFasterRCNN:
+    """The third stage's student: the ``configs/detector`` node's Faster R-CNN as a
+    ``SemiSupervisedFasterRCNN`` with the settings of ``semi_supervised`` (configs/stage3.yaml)."""
+    base = build_stage2_model(detector_cfg, num_classes)
+    settings = _plain(semi_cfg)
+    return SemiSupervisedFasterRCNN(
+        base.detector, num_classes, unlabelled_weights=settings["unlabelled_weights"],
+        focal_gamma=settings["focal_gamma"], score_threshold=settings["score_threshold"],
+        filter_by_image_labels=settings["filter_by_image_labels"],
+    )  # fmt: skip
 
 
 def load_detector(
@@ -317,12 +337,15 @@ def build_export_datasets(data_cfg: DictConfig) -> list[WeakDetectionDataset]:
     ]
 
 
-def build_stage2_train_dataset(data_cfg: DictConfig, pseudo_labels: str | Path) -> Dataset:
+def build_stage2_train_dataset(
+    data_cfg: DictConfig, pseudo_labels: str | Path, transform: Callable[[dict], Any] | None = None
+) -> Dataset:
     """The training images of ``data.train`` with the pseudo boxes of ``pseudo_labels`` (a json of
-    tools/export_pseudo_labels.py) as their supervision, under the training transform (scales, flip,
-    lighting); images the json does not hold are left out (``wsod.data.pseudo_boxes``)."""
+    tools/export_pseudo_labels.py) as their supervision, under ``transform`` (None: the training
+    transform, scales, flip, lighting); images the json does not hold are left out
+    (``wsod.data.pseudo_boxes``)."""
     train = data_cfg.train
-    transform = _train_transform(train)
+    transform = _train_transform(train) if transform is None else transform
     sets = [
         _open(data_cfg, source, transform=transform, max_proposals=train.max_proposals, drop_unlabelled=True)
         for source in train.sets
@@ -344,6 +367,51 @@ def build_stage2_train_dataset(data_cfg: DictConfig, pseudo_labels: str | Path) 
             )
     sets = [d for d in sets if d.records]  # a set none of whose images the json holds: left out
     return sets[0] if len(sets) == 1 else ConcatWeakDataset(sets)
+
+
+def build_stage3_train_datasets(
+    data_cfg: DictConfig, pseudo_labels: str | Path, split: str | Path
+) -> tuple[Dataset, Dataset]:
+    """The third stage's training images: ``(labelled, unlabelled)``, the images of ``pseudo_labels``
+    that the split file ``split`` (tools/split_pseudo_labels.py) marks labelled, with their pseudo boxes,
+    and the others with their image labels alone; every item a weak and a strong view of one geometry
+    (``WeakStrongViews`` around the training transform)."""
+    if data_cfg.train.get("views", 1) != 1:
+        raise ValueError(
+            f"data.train.views={data_cfg.train.views}: the third stage makes its own two views (weak,"
+            " strong) of each image; leave data.train.views at 1"
+        )
+    views = WeakStrongViews(_train_transform(data_cfg.train))
+    dataset = build_stage2_train_dataset(data_cfg, pseudo_labels, transform=views)
+    labelled_of = read_split(split)
+    sets = list(getattr(dataset, "datasets", [dataset]))
+    missing = [r.image_id for d in sets for r in d.records if r.image_id not in labelled_of]
+    if missing:
+        raise ValueError(
+            f"split file {split}: {len(missing)} images of {pseudo_labels} are not in it (the first:"
+            f" {missing[0]!r}); make the split from this pseudo-label json (tools/split_pseudo_labels.py)"
+        )
+    parts = []
+    for wanted in (True, False):
+        part = []
+        for d in sets:
+            subset = copy.copy(d)
+            subset.records = [
+                r if wanted else replace(r, supervision=None)
+                for r in d.records
+                if labelled_of[r.image_id] == wanted
+            ]
+            if subset.records:
+                part.append(subset)
+        parts.append(part[0] if len(part) == 1 else ConcatWeakDataset(part) if part else None)
+    labelled, unlabelled = parts
+    if labelled is None or unlabelled is None:
+        kind = "labelled" if labelled is None else "unlabelled"
+        raise ValueError(
+            f"split file {split}: no {kind} image among the {len(labelled_of)}; the third stage trains on"
+            " both (give tools/split_pseudo_labels.py a k between 1 and the images - 1)"
+        )
+    return labelled, unlabelled
 
 
 def build_test_dataset(data_cfg: DictConfig) -> WeakDetectionDataset:

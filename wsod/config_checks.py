@@ -42,6 +42,8 @@ __all__ = [
     "EVAL_RULES",
     "PREDICT_RULES",
     "EXPORT_RULES",
+    "SPLIT_RULES",
+    "STAGE3_RULES",
     "STAGE2_RULES",
 ]
 
@@ -339,6 +341,36 @@ EXPORT_RULES: dict[str, _Rule] = {
     ),
     "rule.containment_exempt": _CLASSES_OR_EMPTY,
     "detections_per_image": _integer(1, optional=True),
+}
+
+
+_FASTER_RCNN_LOSSES = ("loss_classifier", "loss_box_reg", "loss_objectness", "loss_rpn_box_reg")
+# tools/train_stage3.py (configs/stage3.yaml): the second stage's keys, its EMA teacher's, its own.
+STAGE3_RULES: dict[str, _Rule] = {
+    **STAGE2_RULES,
+    **{key: rule for key, rule in TRAIN_RULES.items() if key.startswith("solver.ema.")},
+    "initial_weights": _path("initial_weights=runs/my_stage2/model_final.pth"),
+    "split": _path("split=runs/my_run/pseudo_labels/split.json"),
+    "semi_supervised.unlabelled_per_batch": _integer(1),
+    "semi_supervised.score_threshold": _Rule(lambda v: _is_number(v) and 0 <= v < 1, "a number in [0, 1)"),
+    "semi_supervised.focal_gamma": _number(0),
+    **{f"semi_supervised.unlabelled_weights.{name}": _number(0) for name in _FASTER_RCNN_LOSSES},
+    "semi_supervised.eval_weights": _choice("teacher", "student"),
+    "solver.ema.enabled": _Rule(
+        lambda v: v is True, "true: the third stage's teacher labels its unlabelled images"
+    ),
+}
+
+# tools/split_pseudo_labels.py (configs/split.yaml).
+SPLIT_RULES: dict[str, _Rule] = {
+    **{key: rule for key, rule in _COMMON.items() if key != "random_baseline"},
+    "checkpoint": _path("checkpoint=runs/my_stage2/model_0001500.pth"),
+    "pseudo_labels": _path("pseudo_labels=runs/my_run/pseudo_labels/pseudo_labels.json"),
+    "k": _integer(1),
+    "output_dir": _optional_path("null or a folder, e.g. runs/my_run/pseudo_labels"),
+    "scale": _integer(1, optional=True),
+    "positive_fraction": _Rule(lambda v: _is_number(v) and 0 < v <= 1, "a number > 0 and <= 1"),
+    "seed": _integer(0),
 }
 
 

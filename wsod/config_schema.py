@@ -17,9 +17,12 @@ detector             ``base``                         ``Detector`` (the second s
 train.yaml           ``schema_train``                 ``TrainRun``
 stage2.yaml          ``schema_stage2``                ``Stage2Run`` (``StageSolver``: no
                                                       DropBlock, no GradNorm)
-eval.yaml, ...       ``schema_eval``,                 ``EvalRun``, ``ExportRun``, ``PredictRun``
-                     ``schema_export``,
-                     ``schema_predict``
+stage3.yaml          ``schema_stage3``                ``Stage3Run`` (``Stage3Solver``: its EMA
+                                                      teacher; ``SemiSupervised``)
+eval.yaml, ...       ``schema_eval``,                 ``EvalRun``, ``ExportRun``, ``PredictRun``,
+                     ``schema_export``,               ``SplitRun``
+                     ``schema_predict``,
+                     ``schema_split``
 ===================  ==============================  ==========================================
 
 The refinement method (configs/method/) has no schema here: its keys are its class's keyword arguments
@@ -517,6 +520,42 @@ class Stage2Run(Run):
 
 
 @dataclass
+class Stage3Solver(StageSolver):
+    """The third stage's solver: the detector's, and its EMA teacher's (on: the teacher labels the
+    unlabelled images; SoS voc_ssod.yaml:39 keeps 0.9996 every step over all weights and buffers)."""
+
+    ema: EMASolver = field(default_factory=lambda: EMASolver(enabled=True, momentum=0.9996))
+
+
+@dataclass
+class SemiSupervised:
+    """The third stage's teacher-student training (wsod/modeling/semi_supervised_rcnn.py). Defaults:
+    SoS-WSOD's VOC 2007 settings (unbias/configs/code_release/voc_ssod.yaml there)."""
+
+    unlabelled_per_batch: int = 1  # unlabelled images per process per forward, beside solver.ims_per_batch
+    score_threshold: float = 0.7  # the teacher keeps boxes scoring above it (voc_ssod.yaml:36)
+    filter_by_image_labels: bool = True  # and of the image's classes (voc_ssod.yaml:42)
+    # Each loss's weight on the unlabelled images (voc_ssod.yaml:40; ubteacher/engine/trainer.py:531-537).
+    unlabelled_weights: dict[str, float] = field(
+        default_factory=lambda: {
+            "loss_classifier": 2.0, "loss_box_reg": 0.0, "loss_objectness": 2.0, "loss_rpn_box_reg": 0.0,
+        }
+    )  # fmt: skip
+    focal_gamma: float = 1.5  # the ROI classifier's focal loss (unbiased-teacher fast_rcnn.py:75)
+    eval_weights: EvalWeights = EvalWeights.teacher  # the teacher is the model evaluated (student: the other)
+
+
+@dataclass
+class Stage3Run(Stage2Run):
+    """tools/train_stage3.py (configs/stage3.yaml)."""
+
+    initial_weights: str = MISSING  # required: the second stage's model_final.pth (student and teacher start)
+    split: str = MISSING  # required: the split.json of tools/split_pseudo_labels.py
+    solver: Stage3Solver = field(default_factory=Stage3Solver)
+    semi_supervised: SemiSupervised = field(default_factory=SemiSupervised)
+
+
+@dataclass
 class EvalRun(Entry):
     """tools/eval.py (configs/eval.yaml)."""
 
@@ -549,6 +588,23 @@ class ExportRun(Entry):
 
 
 @dataclass
+class SplitRun(Entry):
+    """tools/split_pseudo_labels.py (configs/split.yaml): the third stage's split (wsod/runs/split.py)."""
+
+    checkpoint: str = (
+        MISSING  # required: a second-stage model_<iteration>.pth (SoS: before its first lr step)
+    )
+    pseudo_labels: str = MISSING  # required: the pseudo-label json that second stage trained on
+    k: int = MISSING  # required: the images of lowest loss that keep their boxes (SoS VOC07: 2000 of 5011)
+    output_dir: Optional[str] = None  # where split.json goes; null: the pseudo-label json's folder
+    overwrite: bool = False  # an existing split.json there is refused unless true
+    scale: Optional[int] = None  # the scoring view's shorter side; null: the middle of data.train.scales
+    positive_fraction: float = 1.0  # both samplers' (SoS voc_split.yaml:11,17)
+    seed: int = 0  # image i's samplers draw from seed + i
+    data: Any = MISSING
+
+
+@dataclass
 class PredictRun(Entry):
     """tools/predict.py (configs/predict.yaml)."""
 
@@ -576,9 +632,11 @@ SCHEMAS: tuple[tuple[str | None, str, type], ...] = (
     ("detector", "base", Detector),
     (None, "schema_train", TrainRun),
     (None, "schema_stage2", Stage2Run),
+    (None, "schema_stage3", Stage3Run),
     (None, "schema_eval", EvalRun),
     (None, "schema_export", ExportRun),
     (None, "schema_predict", PredictRun),
+    (None, "schema_split", SplitRun),
 )
 
 

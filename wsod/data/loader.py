@@ -54,6 +54,7 @@ from torch.utils.data.distributed import DistributedSampler
 __all__ = [
     "MODEL_INPUT_KEYS",
     "collate",
+    "concat_batches",
     "split_views",
     "model_inputs",
     "aspect_ratio_groups",
@@ -99,6 +100,30 @@ def collate(items: Sequence[dict] | Sequence[Sequence[dict]], size_divisor: int 
         "flipped": [item["flipped"] for item in items],
         "views": views,
     }
+
+
+def concat_batches(batches: Sequence[dict]) -> dict:
+    """Collated batches of the same ``views`` -> one batch holding their rows in order (images padded
+    to the largest, still multiples of the size divisor): how the third stage joins a batch of labelled
+    and one of unlabelled images, drawn from two loaders (``wsod.runs.stage3``)."""
+    if not batches:
+        raise ValueError("concat_batches needs at least one batch")
+    views = {batch["views"] for batch in batches}
+    if len(views) > 1:
+        raise ValueError(f"concat_batches joins batches of the same views, got {sorted(views)}")
+    height = max(batch["images"].shape[-2] for batch in batches)
+    width = max(batch["images"].shape[-1] for batch in batches)
+    images = batches[0]["images"].new_zeros(sum(len(b["images"]) for b in batches), 3, height, width)
+    row = 0
+    for batch in batches:
+        n, _, h, w = batch["images"].shape
+        images[row : row + n, :, :h, :w].copy_(batch["images"])
+        row += n
+    joined = {"images": images, "image_labels": torch.cat([b["image_labels"] for b in batches])}
+    for key in ("proposals", "image_sizes", "original_sizes", "targets", "image_ids", "flipped"):
+        joined[key] = [value for batch in batches for value in batch[key]]
+    joined["views"] = views.pop()
+    return joined
 
 
 def _flatten_views(items: Sequence[dict] | Sequence[Sequence[dict]]) -> tuple[list[dict], int]:

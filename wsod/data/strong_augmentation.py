@@ -19,13 +19,23 @@ so a resumed run draws the same strong views. Two deliberate differences: the bl
 kernel (covering 3 sigma at the largest sigma; the reference uses PIL's box-blur approximation of a
 Gaussian of that radius); and the image is RGB, where the reference hands its BGR array to PIL as RGB,
 so that its hue jitter and grayscale weights act on swapped channels.
+
+``WeakStrongViews`` makes the pair a training item of the third stage is: the weak view (the training
+transform: multi-scale resize, flip) and the strong view, which is the weak view with these ops on its
+pixels, so that both share one geometry (proposals, targets, size and flip are the weak view's).
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable, Sequence
+
+import torch
+from torch import Tensor
 from torchvision.transforms import v2
 
-__all__ = ["BLUR_KERNEL", "ERASING", "strong_augmentation"]
+from wsod.data.transforms import IMAGENET_MEAN, IMAGENET_STD
+
+__all__ = ["BLUR_KERNEL", "ERASING", "strong_augmentation", "WeakStrongViews"]
 
 # The blur's kernel: 2 * ceil(3 * 2.0) + 1 taps, 3 sigma either side at the largest sigma.
 BLUR_KERNEL = 13
@@ -47,3 +57,34 @@ def strong_augmentation() -> v2.Compose:
             *(v2.RandomErasing(p=p, scale=scale, ratio=ratio, value="random") for p, scale, ratio in ERASING),
         ]
     )
+
+
+class WeakStrongViews:
+    """Item -> ``[weak, strong]``: ``weak`` is ``transform(item)`` (a normalised training view); ``strong``
+    is the same dict with its image un-normalised (``mean``, ``std``), passed through ``strong`` (default
+    ``strong_augmentation()``) and normalised again. Both views come from the item's seeded stream, the
+    weak view's draws first, so a resumed run sees the same pair. ``collate`` stacks the pairs as two
+    views per image (``wsod.data.loader``: row ``2 i`` weak, row ``2 i + 1`` strong)."""
+
+    def __init__(
+        self,
+        transform: Callable[[dict], dict],
+        strong: Callable[[Tensor], Tensor] | None = None,
+        mean: Sequence[float] = IMAGENET_MEAN,
+        std: Sequence[float] = IMAGENET_STD,
+    ) -> None:
+        self.transform = transform
+        self.strong = strong_augmentation() if strong is None else strong
+        self.mean = torch.tensor(mean, dtype=torch.float32).view(3, 1, 1)
+        self.std = torch.tensor(std, dtype=torch.float32).view(3, 1, 1)
+
+    def __call__(self, item: dict) -> list[dict]:
+        weak = self.transform(item)
+        if not isinstance(weak, dict):
+            raise TypeError("WeakStrongViews wraps a transform giving one view (data.train.views must be 1)")
+        pixels = weak["image"] * self.std + self.mean  # the RGB 0-1 image the strong ops expect
+        strong_image = (self.strong(pixels) - self.mean) / self.std
+        return [weak, {**weak, "image": strong_image}]
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}({self.transform!r}, {self.strong!r})"

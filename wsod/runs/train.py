@@ -15,7 +15,7 @@ from __future__ import annotations
 import logging
 import shlex
 import sys
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -247,23 +247,27 @@ def train_and_evaluate(
     resumed_at: int | None,
     companions: Sequence[Companion] = (),
     preview: PseudoLabelPreview | None = None,
+    make_batches: Callable[[int], Iterator[dict[str, Any]]] | None = None,
 ) -> dict[str, Any]:
     """The rest of a training entry point, once its model and data exist: DDP under torchrun, the
     loader, the checkpointer (``metadata`` in every file), the loop (``wsod.engine.train``), the final
     evaluation written to ``eval/`` and offered as the best. Returns the loop's summary with ``best``
-    and ``final`` (the final metrics)."""
+    and ``final`` (the final metrics). ``make_batches``: the loop's batch stream (``start`` -> batches
+    from the ``start``-th on); None: ``train_set``'s loader (``build_loader``), endless."""
     main = is_main_process()
     wrapped = model
     if get_world_size() > 1:
         wrapped = torch.nn.parallel.DistributedDataParallel(
             model, device_ids=[device] if device.type == "cuda" else None
         )
-    loader = build_loader(cfg, train_set, device)
+    if make_batches is None:
+        loader = build_loader(cfg, train_set, device)
+        make_batches = lambda start: infinite_batches(loader, start)  # noqa: E731
     checkpointer = build_checkpointer(cfg, run_dir, metadata, enabled=main)
     # One log for the run: on a resume, what the interrupted run logged after the checkpoint is dropped.
     with RunLog(run_dir, enabled=main, purge_after=resumed_at) as run_log:
         summary = train(
-            wrapped, optimizer, scheduler, lambda start: infinite_batches(loader, start),
+            wrapped, optimizer, scheduler, make_batches,
             max_iter=cfg.solver.max_iter, device=device, checkpointer=checkpointer, run_log=run_log,
             accumulation=cfg.solver.accumulation, amp=cfg.solver.amp, resume_from=resume_from,
             log_period=cfg.log_period, evaluator=evaluator, eval_period=cfg.eval_period,
