@@ -12,9 +12,10 @@ such a command (``#   python tools/train.py ...``), and from the tools' module d
 * the argparse tools (benchmarks, ``make_proposals.py``): their parser accepts the command's arguments.
 
 Running them is the job of other tests: the own-data block (docs/guides/own_data.md) runs word for
-word in ``tests/test_own_data.py``, the second stage's toy pipeline (docs/guides/second_stage.md) in
-``tests/test_stage2.py``, each training feature runs in ``tests/test_run.py``, and the default toy run
-(``python tools/train.py``, about 20 minutes on 2 cores) runs word for word in the slow test below.
+word in ``tests/test_own_data.py``, the second and third stages' toy pipeline (docs/guides/
+second_stage.md) in ``tests/test_stage2.py`` and ``tests/test_stage3.py``, each training feature runs in
+``tests/test_run.py``, and the default toy run (``python tools/train.py``, about 20 minutes on 2 cores)
+runs word for word in the slow test below.
 """
 
 from __future__ import annotations
@@ -38,7 +39,9 @@ from wsod.config_checks import (
     EVAL_RULES,
     EXPORT_RULES,
     PREDICT_RULES,
+    SPLIT_RULES,
     STAGE2_RULES,
+    STAGE3_RULES,
     TRAIN_RULES,
     check_config,
 )
@@ -54,6 +57,8 @@ HYDRA_TOOLS = {
     "predict.py": ("predict", PREDICT_RULES),
     "export_pseudo_labels.py": ("export", EXPORT_RULES),
     "train_stage2.py": ("stage2", STAGE2_RULES),
+    "split_pseudo_labels.py": ("split", SPLIT_RULES),
+    "train_stage3.py": ("stage3", STAGE3_RULES),
 }
 
 

@@ -1,7 +1,8 @@
-"""docs/RECIPES.md describes every experiment config exactly. Its defaults table is the composed recipe
-of ``experiment=mist_vgg16_voc07`` (its second-stage defaults table that of ``stage2_experiment=
-faster_rcnn_r50-fpn_voc07``); each ``### <experiment>`` section names the recipe it differs from and lists
-the differences, which applied onto that recipe give the experiment's composed config, key for key."""
+"""docs/RECIPES.md and docs/RECIPES_RETRAINING.md describe every experiment config exactly. RECIPES.md's
+defaults table is the composed recipe of ``experiment=mist_vgg16_voc07``, RECIPES_RETRAINING.md's
+second-stage defaults table that of ``stage2_experiment=faster_rcnn_r50-fpn_voc07``; each
+``### <experiment>`` section (a third-stage one included) names the recipe it differs from and lists the
+differences, which applied onto that recipe give the experiment's composed config, key for key."""
 
 from __future__ import annotations
 
@@ -21,6 +22,7 @@ from omegaconf import OmegaConf
 ROOT = Path(__file__).resolve().parents[1]
 CONFIGS = ROOT / "configs"
 RECIPES = ROOT / "docs" / "RECIPES.md"
+RETRAINING = ROOT / "docs" / "RECIPES_RETRAINING.md"
 
 DEFAULTS = "the defaults"  # ``## The defaults``: experiment=mist_vgg16_voc07
 STAGE2_DEFAULTS = "the second-stage defaults"  # ``## The second-stage defaults``: faster_rcnn_r50-fpn_voc07
@@ -60,7 +62,7 @@ def _recipe_of(cfg: dict) -> dict:
     recipe = {"seed": cfg["seed"], "data.kind": cfg["data"]["kind"]}
     recipe |= _leaves(cfg["data"]["train"], "data.train", skip=("sets", "num_workers"))
     recipe |= _leaves(cfg["data"]["test"], "data.test", skip=("set", "num_workers", "batch_size"))
-    for group in ("model", "detector", "method", "solver"):
+    for group in ("model", "detector", "method", "solver", "semi_supervised"):
         recipe |= _leaves(cfg.get(group, {}), group)
     return recipe
 
@@ -90,10 +92,12 @@ class Section:
 
 
 def _sections() -> list[Section]:
-    """``## The defaults``, ``## The second-stage defaults`` and every ``### <experiment>``, in order."""
+    """``## The defaults``, ``## The second-stage defaults`` and every ``### <experiment>``, in order
+    (RECIPES.md's, then RECIPES_RETRAINING.md's)."""
     sections: list[Section] = []
     current = None
-    for number, line in enumerate(RECIPES.read_text().splitlines(), 1):
+    lines = RECIPES.read_text().splitlines() + RETRAINING.read_text().splitlines()
+    for number, line in enumerate(lines, 1):
         if heading := re.fullmatch(r"(##|###) (.+)", line):
             name = heading.group(2).lower() if heading.group(1) == "##" else heading.group(2)
             current = Section(name) if heading.group(1) == "###" or name in BASE_RECIPES else None
@@ -180,15 +184,18 @@ def _assert_recipe(name: str, recipe: dict[str, Entry], composed: dict) -> None:
     assert not problems, f"{name}: RECIPES.md and the composed config differ:\n" + "\n".join(problems)
 
 
-def test_recipes_md_is_at_most_40_kb():
-    assert len(RECIPES.read_bytes()) <= MAX_BYTES, "docs/RECIPES.md: list differences, not whole recipes"
+@pytest.mark.parametrize("page", [RECIPES, RETRAINING], ids=lambda p: p.name)
+def test_each_recipes_page_is_at_most_40_kb(page):
+    assert len(page.read_bytes()) <= MAX_BYTES, f"docs/{page.name}: list differences, not whole recipes"
 
 
 def test_every_experiment_has_exactly_one_section():
     names = [s.name for s in _sections() if s.name not in BASE_RECIPES]
     duplicated = sorted({n for n in names if names.count(n) > 1})
     assert not duplicated, f"more than one section: {duplicated}"
-    assert sorted(names) == sorted(_names("experiment") + _names("stage2_experiment"))
+    assert sorted(names) == sorted(
+        _names("experiment") + _names("stage2_experiment") + _names("stage3_experiment")
+    )
     for section in _sections():
         expected = 0 if section.name in BASE_RECIPES else 1
         assert len(section.bases) == expected, (
@@ -218,6 +225,18 @@ def test_composed_second_stage_experiment_matches_its_recipe_section(name):
     assert (
         processes * composed["solver.ims_per_batch"] * composed["solver.accumulation"] == 16
     )  # SoS-WSOD's 16
+
+
+@pytest.mark.parametrize("name", _names("stage3_experiment"))
+def test_composed_third_stage_experiment_matches_its_recipe_section(name):
+    sections = {s.name: s for s in _sections()}
+    composed = _recipe("stage3", f"stage3_experiment={name}")
+    _assert_recipe(name, _resolve(name, sections), composed)
+    processes = 1 if name.endswith("_1gpu") else 8
+    per_step = processes * composed["solver.accumulation"]
+    labelled = per_step * composed["solver.ims_per_batch"]
+    unlabelled = per_step * composed["semi_supervised.unlabelled_per_batch"]
+    assert labelled == unlabelled == (16 if "coco" in name else 8)  # SoS-WSOD's 8 + 8 (VOC), 16 + 16 (COCO)
 
 
 def test_the_documented_cfg_job_commands_print_the_composed_config_without_training():

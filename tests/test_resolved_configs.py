@@ -1,8 +1,8 @@
 """Every resolved config stays what it was when the configs moved onto structured schemas
 (wsod/config/schema.py): each experiment, each option of each config group, and the eval, predict,
-export and second-stage configs, compared with tests/golden/resolved_configs.json (written once, from the
-plain YAML configs, before the move). A schema or option file that changes a default or a value fails
-here, naming the config and the key.
+export, split and second- and third-stage configs, compared with tests/golden/resolved_configs.json
+(written once, from the plain YAML configs, before the move; the later configs added as they came). A
+schema or option file that changes a default or a value fails here, naming the config and the key.
 
 The golden file is regenerated only on purpose, when a config is meant to change:
 ``python tests/test_resolved_configs.py --write``.
@@ -39,6 +39,11 @@ def _cases() -> list[tuple[str, str, list[str]]]:
     cases.append(("stage2", "stage2", []))
     for group in ("data", "detector", "stage2_experiment"):
         cases += [(f"stage2 {group}={o}", "stage2", [f"{group}={o}"]) for o in _options(group)]
+    cases += [("split", "split", []), ("stage3", "stage3", [])]
+    cases += [
+        (f"stage3 stage3_experiment={o}", "stage3", [f"stage3_experiment={o}"])
+        for o in _options("stage3_experiment")
+    ]
     return cases
 
 

@@ -7,7 +7,6 @@ from __future__ import annotations
 import json
 import math
 import os
-import re
 import shlex
 import shutil
 import signal
@@ -17,88 +16,31 @@ from pathlib import Path
 
 import pytest
 import torch
-from hydra import compose, initialize_config_dir
+from guide_pipeline import ENTRY_POINTS, compose_config, guide_block, short_overrides
 from pycocotools.coco import COCO
-from tiny_run import TINY_TOY, tiny_overrides
+from tiny_run import TINY_TOY
 
 import wsod.engine.train as train_module
 from wsod.config_checks import ConfigError
 from wsod.data.toy import ensure_toy_dataset
 from wsod.engine.interrupt import TrainingInterrupted
 from wsod.engine.train import NonFiniteLossError
-from wsod.runs.evaluate import evaluate_from_config
 from wsod.runs.export import export_from_config
 from wsod.runs.predict import predict_from_config
 from wsod.runs.stage2 import train_stage2_from_config
-from wsod.runs.train import train_from_config
 
 ROOT = Path(__file__).resolve().parents[1]
-ENTRY_POINTS = {
-    "tools/train.py": ("train", train_from_config),
-    "tools/export_pseudo_labels.py": ("export", export_from_config),
-    "tools/train_stage2.py": ("stage2", train_stage2_from_config),
-    "tools/eval.py": ("eval", evaluate_from_config),
-}
-# The smallest second-stage detector: the pipeline's steps and files, not its accuracy, are tested here.
-TINY_DETECTOR = [
-    "detector.fpn_channels=16", "detector.representation_size=32", "detector.box_batch_size_per_image=32",
-    "detector.rpn_post_nms_top_n_train=100", "detector.rpn_post_nms_top_n_test=50",
-]  # fmt: skip
+_short, _compose = short_overrides, compose_config
 
 
-def _compose(name: str, overrides: list[str]):
-    with initialize_config_dir(config_dir=str(ROOT / "configs"), version_base="1.3"):
-        return compose(config_name=name, overrides=overrides)
-
-
-def readme_pipeline() -> list[str]:
-    """The toy pipeline: the first bash block of the "Second stage" guide."""
-    text = (ROOT / "docs" / "guides" / "second_stage.md").read_text()
-    block = re.search(r"```bash\n(.*?)```", text, flags=re.S).group(1)
-    return [re.sub(r"\s+#.*$", "", line).strip() for line in block.splitlines() if line.strip()]
-
-
-def _short(root: Path, name: str, run_dir: Path | None = None) -> list[str]:
-    """The short schedule on the tiny toy set for each entry point (appended to a guide's command)."""
-    data = [o for o in tiny_overrides(root, Path("unused")) if o.startswith("data.")]
-    if name == "train":
-        return [o for o in tiny_overrides(root, Path("unused")) if not o.startswith("output_dir=")]
-    if name == "stage2":
-        run = [o for o in tiny_overrides(root, Path("unused")) if o.split("=")[0] in _RUN_KEYS]
-        return [*data, *run, *TINY_DETECTOR]
-    return [*data, "progress=false"]
-
-
-_RUN_KEYS = (
-    "solver.max_iter",
-    "solver.warmup_iters",
-    "solver.milestones",
-    "log_period",
-    "checkpoint_period",
-    "progress",
-)
-
-
-@pytest.fixture(scope="module")
-def pipeline(tiny_toy_root, tmp_path_factory):
-    """The guide's pipeline, run in a scratch working directory: that directory and each step's result."""
-    workdir = tmp_path_factory.mktemp("pipeline")
-    results = []
-    cwd = Path.cwd()
-    os.chdir(workdir)  # the guide's relative run directories land here
-    try:
-        for command in readme_pipeline():
-            words = shlex.split(command)
-            name, entry = ENTRY_POINTS[words[1]]
-            results.append(entry(_compose(name, words[2:] + _short(tiny_toy_root, name))))
-    finally:
-        os.chdir(cwd)
-    return workdir, results
+@pytest.fixture
+def pipeline(guide_pipeline):
+    return guide_pipeline
 
 
 def test_the_readme_pipeline_runs_word_for_word_with_a_short_schedule(pipeline):
     workdir, (stage1, export, stage2, evaluation) = pipeline
-    assert [shlex.split(c)[1] for c in readme_pipeline()] == list(ENTRY_POINTS)
+    assert [shlex.split(c)[1] for c in guide_block(0)] == list(ENTRY_POINTS)[:4]
     run_dir = workdir / "runs" / "toy_stage2"
     names = {p.name for p in run_dir.iterdir()}
     assert {"config.yaml", "log.txt", "metrics.jsonl", "tb", "model_final.pth", "eval"} <= names

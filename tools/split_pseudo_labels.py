@@ -1,6 +1,6 @@
-"""Split pseudo-labelled images for the third stage: ``python tools/split_pseudo_labels.py
-checkpoint=<stage-2 model_<iteration>.pth> pseudo_labels=<json> k=<count> <hydra overrides>``
-(configs/split.yaml).
+"""Split pseudo-labelled images for the third stage (configs/split.yaml):
+
+    python tools/split_pseudo_labels.py checkpoint=<stage2_checkpoint.pth> pseudo_labels=<json> k=2000
 
 Each image of the pseudo-label json is scored by the second-stage detector's four training losses against
 its own pseudo boxes; the k of lowest loss keep their boxes in the third stage (tools/train_stage3.py),

@@ -1,5 +1,6 @@
-"""Train the third stage: ``python tools/train_stage3.py initial_weights=<stage-2 model_final.pth>
-pseudo_labels=<json> split=<split.json> <hydra overrides>`` (configs/stage3.yaml).
+"""Train the third stage (configs/stage3.yaml):
+
+    python tools/train_stage3.py initial_weights=<stage2_model_final.pth> pseudo_labels=<json> split=<json>
 
 SoS-WSOD's semi-supervised retraining on torchvision's Faster R-CNN: a student and its EMA teacher start
 from the second stage's weights; the images the split (tools/split_pseudo_labels.py) calls labelled train

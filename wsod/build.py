@@ -600,6 +600,7 @@ def build_checkpointer(
         metadata=metadata,
         enabled=enabled,
         trust=cfg.trust_checkpoint,
+        keep_at=list(cfg.get("keep_at") or []),
     )
 
 

@@ -216,6 +216,10 @@ TRAIN_RULES: dict[str, _Rule] = {
     "log_period": _integer(1),
     "checkpoint_period": _integer(0),
     "keep_checkpoints": _integer(1),
+    "keep_at": _Rule(
+        lambda v: isinstance(v, list | tuple) and all(_is_int(i) and i >= 1 for i in v),
+        "a list of iterations >= 1, e.g. [12000]",
+    ),
     "eval_period": _integer(0),
     "max_nonfinite": _integer(1),
     "pseudo_label_preview.period": _integer(0),
@@ -293,7 +297,7 @@ PREDICT_RULES: dict[str, _Rule] = {
 
 
 _RUN_KEYS = (
-    "seed", "log_period", "checkpoint_period", "keep_checkpoints", "eval_period", "max_nonfinite",
+    "seed", "log_period", "checkpoint_period", "keep_checkpoints", "keep_at", "eval_period", "max_nonfinite",
 )  # fmt: skip
 # tools/train_stage2.py (configs/stage2.yaml, configs/detector/): the run and solver keys as training's.
 STAGE2_RULES: dict[str, _Rule] = {
@@ -324,6 +328,7 @@ STAGE2_RULES: dict[str, _Rule] = {
     "detector.rpn_pre_nms_top_n_test": _integer(1),
     "detector.rpn_post_nms_top_n_test": _integer(1),
     "detector.rpn_batch_size_per_image": _integer(1),
+    "detector.rpn_positive_fraction": _Rule(lambda v: _is_number(v) and 0 < v <= 1, "a number > 0 and <= 1"),
     "detector.box_batch_size_per_image": _integer(1),
     "detector.representation_size": _integer(1),
     "detector.nms_iou": _number(0, 1),

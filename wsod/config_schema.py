@@ -456,6 +456,9 @@ class Detector:
     rpn_pre_nms_top_n_test: int = 1000
     rpn_post_nms_top_n_test: int = 1000
     rpn_batch_size_per_image: int = 256
+    rpn_positive_fraction: float = (
+        0.5  # of the RPN's sampled anchors (torchvision's and detectron2's default)
+    )
     box_batch_size_per_image: int = 512
     representation_size: int = 1024  # the box head's two fully-connected layers
     nms_iou: float = 0.5  # per-class NMS of the detections (torchvision box_nms_thresh)
@@ -488,6 +491,9 @@ class Run(Entry):
     log_period: int = 20  # optimizer steps between log lines / metrics.jsonl rows
     checkpoint_period: int = 500  # optimizer steps between checkpoints
     keep_checkpoints: int = 3
+    # Iterations whose checkpoint is also saved and never deleted (the third stage's split reads the
+    # second stage's from just before its first lr step: docs/guides/second_stage.md).
+    keep_at: list[int] = field(default_factory=list)
     eval_period: int = 0  # optimizer steps between evaluations (0: only at the end)
     max_nonfinite: int = 10  # consecutive non-finite losses before the run aborts
     random_baseline: bool = True  # also report the mAP / CorLoc of random scores over the same proposals

@@ -5,6 +5,7 @@ from __future__ import annotations
 import inspect
 import itertools
 
+import pytest
 import torch
 from torch.utils.data.distributed import DistributedSampler
 
@@ -17,6 +18,7 @@ from wsod.data.loader import (
     build_test_loader,
     build_train_loader,
     collate,
+    concat_batches,
     infinite_batches,
     model_inputs,
 )
@@ -190,3 +192,34 @@ def test_concatenated_datasets_keep_sizes_ids_and_seeded_indexing(tiny_toy):
     torch.testing.assert_close(ours["image"], theirs["image"], rtol=0, atol=0)
     batch = next(iter(build_train_loader(both, 2, num_workers=0, seed=0)))
     assert batch["images"].shape[0] == 2
+
+
+def test_concat_batches_joins_two_batches_row_for_row():
+    first = collate([[_view_item(20, 30, 1), _view_item(20, 30, 2)]])
+    second = collate(
+        [[_view_item(40, 70, 3), _view_item(40, 70, 4)], [_view_item(40, 50, 5), _view_item(40, 50, 6)]]
+    )
+    joined = concat_batches([first, second])
+    assert joined["views"] == 2 and joined["images"].shape == (6, 3, 64, 96)
+    assert joined["image_ids"] == first["image_ids"] + second["image_ids"]
+    assert joined["image_sizes"] == first["image_sizes"] + second["image_sizes"]
+    torch.testing.assert_close(joined["images"][:2, :, :32, :32], first["images"])
+    assert not joined["images"][:2, :, 32:].any() and not joined["images"][:2, :, :, 32:].any()  # padding
+    torch.testing.assert_close(joined["images"][2:], second["images"][:, :, :64, :96])
+    torch.testing.assert_close(
+        joined["image_labels"], torch.cat([first["image_labels"], second["image_labels"]])
+    )
+    with pytest.raises(ValueError, match="same views"):
+        concat_batches([first, collate([_view_item(20, 30, 7)])])
+
+
+def _view_item(h: int, w: int, value: int) -> dict:
+    return {
+        "image": torch.full((3, h, w), float(value)),
+        "proposals": torch.tensor([[0.0, 0.0, 5.0, 5.0]]),
+        "labels": torch.tensor([1.0, 0.0]),
+        "image_size": (h, w),
+        "original_size": (h, w),
+        "image_id": f"img{value}",
+        "flipped": False,
+    }

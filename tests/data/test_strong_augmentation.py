@@ -1,11 +1,14 @@
-"""The strong view's photometric ops: the reference's parameters, drawn from the seeded global stream."""
+"""The strong view's photometric ops: the reference's parameters, drawn from the seeded global stream; and
+the weak/strong pair of the third stage, one geometry, two sets of pixels."""
 
 from __future__ import annotations
 
 import torch
+from torchvision import tv_tensors
 from torchvision.transforms import v2
 
-from wsod.data.strong_augmentation import strong_augmentation
+from wsod.data.strong_augmentation import WeakStrongViews, strong_augmentation
+from wsod.data.transforms import test_transform, train_transform
 
 
 def test_the_ops_and_their_parameters_are_the_references():
@@ -50,3 +53,53 @@ def test_the_erasing_passes_fire_as_often_as_their_probabilities_say():
         out = augment(torch.full((3, 32, 32), 0.5))
         erased += bool(((out < 0) | (out > 1)).any())
     assert 0.85 <= erased / 300 <= 0.94  # 0.895, binomial standard deviation 0.018
+
+
+def _item() -> dict:
+    g = torch.Generator().manual_seed(0)
+    image = (torch.rand(3, 40, 60, generator=g) * 255).to(torch.uint8)
+    boxes = torch.tensor([[2.0, 3.0, 20.0, 30.0], [10.0, 5.0, 50.0, 35.0]])
+    return {
+        "image": tv_tensors.Image(image),
+        "image_id": "x",
+        "labels": torch.tensor([1.0, 0.0]),
+        "proposals": tv_tensors.BoundingBoxes(boxes, format="XYXY", canvas_size=(40, 60)),
+        "targets": {
+            "labels": torch.tensor([1.0, 0.0]),
+            "boxes": boxes.clone(),
+            "box_labels": torch.tensor([0, 0]),
+        },
+        "original_size": (40, 60),
+    }
+
+
+def test_the_weak_and_strong_views_share_their_geometry_and_differ_in_pixels():
+    views = WeakStrongViews(train_transform([32, 48, 64], 200, flip_prob=0.5, lighting_std=0.0))
+    flips = set()
+    for seed in range(6):
+        torch.manual_seed(seed)
+        weak, strong = views(_item())
+        flips.add(weak["flipped"])
+        for key in ("image_size", "flipped", "scale"):
+            assert weak[key] == strong[key]
+        torch.testing.assert_close(weak["proposals"], strong["proposals"], rtol=0, atol=0)
+        torch.testing.assert_close(weak["targets"]["boxes"], strong["targets"]["boxes"], rtol=0, atol=0)
+        assert weak["image"].shape == strong["image"].shape and not torch.equal(
+            weak["image"], strong["image"]
+        )
+        torch.manual_seed(seed)  # the item's seeded stream: the same pair again
+        again_weak, again_strong = views(_item())
+        assert torch.equal(again_weak["image"], weak["image"]) and torch.equal(
+            again_strong["image"], strong["image"]
+        )
+    assert flips == {True, False}  # the geometry is the weak view's random one
+
+
+def test_the_strong_view_is_the_weak_ones_pixels_through_the_strong_ops():
+    identity = WeakStrongViews(test_transform(32), strong=lambda pixels: pixels)
+    weak, strong = identity(_item())
+    torch.testing.assert_close(strong["image"], weak["image"], rtol=0, atol=1e-6)  # un-normalised and back
+    seen = []
+    recorder = WeakStrongViews(test_transform(32), strong=lambda pixels: seen.append(pixels) or pixels)
+    recorder(_item())
+    assert seen[0].min() >= 0.0 and seen[0].max() <= 1.0  # the ops see the RGB 0-1 image

@@ -137,3 +137,11 @@ def test_another_process_writes_nothing_but_keeps_the_same_best_record(tmp_path)
     assert checkpointer.offer_best("mAP", 0.3, 1)
     assert checkpointer.best == {"value": 0.3, "iteration": 1, "metric": "mAP"}
     assert not (tmp_path / "run").exists()
+
+
+def test_a_checkpoint_named_by_keep_at_is_saved_off_period_and_never_rotated_away(tmp_path):
+    checkpointer = Checkpointer(tmp_path, period=4, keep=2, keep_at=[6])
+    for iteration in range(1, 21):
+        checkpointer.periodic(TrainState(iteration=iteration), lambda: {"model": {}})
+    names = sorted(p.name for p in tmp_path.glob("model_*.pth"))
+    assert names == ["model_0000006.pth", "model_0000016.pth", "model_0000020.pth"]

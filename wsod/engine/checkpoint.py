@@ -23,7 +23,7 @@ import logging
 import pickle
 import random
 import re
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 from typing import Any
@@ -229,6 +229,9 @@ class Checkpointer:
             record, so that all of them make the same decisions.
         trust: read this folder's ``model_best.pth`` with the full unpickler (``load_checkpoint``), as
             the run's own checkpoints were (``trust_checkpoint=true``).
+        keep_at: iterations whose periodic checkpoint is saved whatever ``period`` says and never
+            deleted (outside the newest ``keep``): the third stage's split reads the second stage's
+            checkpoint from just before its first learning-rate step.
 
     Attributes:
         best: the best evaluation's record ``{"value", "iteration", "metric"}``, or None.
@@ -243,9 +246,11 @@ class Checkpointer:
         metadata: dict[str, Any] | None = None,
         enabled: bool = True,
         trust: bool = False,
+        keep_at: Sequence[int] = (),
     ) -> None:
         self.run_dir = Path(run_dir)
         self.period, self.keep, self.enabled, self.trust = period, keep, enabled, trust
+        self.keep_at = frozenset(int(i) for i in keep_at)
         self.metadata = metadata or {}
         self.best: dict[str, Any] | None = None
         self._final: dict[str, Any] | None = None
@@ -278,13 +283,19 @@ class Checkpointer:
     ) -> Path | None:
         """Save ``model_<state.iteration>.pth`` when the iteration is a multiple of ``period``, or with
         ``force`` (a stop, the end of training), unless this iteration's is saved already; keep the newest
-        ``keep``. ``payload()`` is called only when a file is written. Returns the path saved, or None."""
-        due = force or (self.period and state.iteration % self.period == 0)
+        ``keep`` (those of ``keep_at`` aside: saved too, never deleted). ``payload()`` is called only when
+        a file is written. Returns the path saved, or None."""
+        due = force or (self.period and state.iteration % self.period == 0) or state.iteration in self.keep_at
         if not due or not self.enabled or state.iteration == self._saved_at:
             return None
         path = save_checkpoint(self.checkpoint(state, payload()), self.path(state.iteration))
         self._saved_at = state.iteration
-        for old in list_checkpoints(self.run_dir)[self.keep :]:
+        rotating = [
+            p
+            for p in list_checkpoints(self.run_dir)
+            if int(_ITERATION_NAME.match(p.name).group(1)) not in self.keep_at
+        ]
+        for old in rotating[self.keep :]:
             old.unlink(missing_ok=True)
         return path
 

@@ -43,6 +43,18 @@ from wsod.runs.train import begin_training_run, run_training, train_and_evaluate
 
 __all__ = ["train_stage3_from_config", "joined_batches", "UNLABELLED_SEED_OFFSET"]
 
+# The detector settings that shape its weights: the second stage's must be the third's (the others, such
+# as the samplers' sizes and fractions, are training settings a recipe may change).
+ARCHITECTURE_KEYS = (
+    "backbone",
+    "width",
+    "norm",
+    "fpn_channels",
+    "anchor_sizes",
+    "aspect_ratios",
+    "representation_size",
+)
+
 # The unlabelled loader's shuffling and augmentation seed is the run's seed plus this, so that its order
 # differs from the labelled loader's (the two hold different images; equal seeds would tie their orders).
 UNLABELLED_SEED_OFFSET = 1
@@ -80,9 +92,8 @@ def _load_initial_weights(model: torch.nn.Module, cfg: DictConfig, classes: list
         )
     if list(metadata.get("classes", [])) != classes:
         raise ConfigError(f"{where}: trained on classes {metadata.get('classes')}, the data holds {classes}")
-    saved = {k: v for k, v in metadata["model"].items() if k not in ("weights", "eval_weights")}
-    wanted = {k: v for k, v in plain(cfg.detector).items() if k != "weights"}
-    differ = sorted(k for k in wanted if saved.get(k) != wanted[k])
+    saved, wanted = metadata["model"], plain(cfg.detector)
+    differ = [k for k in ARCHITECTURE_KEYS if saved.get(k) != wanted.get(k)]
     if differ:
         shown = ", ".join(f"detector.{k}={saved.get(k)!r}" for k in differ)
         raise ConfigError(f"{where}: a detector of other settings; give the second stage's: {shown}")
