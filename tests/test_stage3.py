@@ -183,3 +183,10 @@ def test_a_third_stage_refuses_another_detector_and_an_unknown_split(stage3, tin
         train_stage3_from_config(compose_config("stage3", [*overrides, f"split={other}"]))
     with pytest.raises(ConfigError, match=r"solver.ema.enabled=False: expected true"):
         train_stage3_from_config(compose_config("stage3", [*base, "solver.ema.enabled=false"]))
+    # A second-stage run's folder is not continued as a third-stage run.
+    second = tmp_path / "second"
+    second.mkdir()
+    shutil.copy(workdir / "runs" / "toy_stage2" / "model_0000004.pth", second)
+    resumed = [o for o in _stage3_overrides(workdir, tiny_toy_root, second)] + ["resume=true"]
+    with pytest.raises(ConfigError, match=r"belongs to a second-stage run \(tools/train_stage2.py\)"):
+        train_stage3_from_config(compose_config("stage3", resumed))

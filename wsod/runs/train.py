@@ -204,17 +204,28 @@ def begin_training_run(
     return resolved, resume_from, resumed_at
 
 
-def _run_kind(second_stage: bool) -> str:
-    return (
-        "a second-stage run (tools/train_stage2.py)" if second_stage else "a first-stage run (tools/train.py)"
-    )
+# The three training commands, by what their config (and a checkpoint's saved config) holds.
+_TOOLS = {1: "tools/train.py", 2: "tools/train_stage2.py", 3: "tools/train_stage3.py"}
+_STAGE_NAMES = {1: "a first-stage run", 2: "a second-stage run", 3: "a third-stage run"}
+
+
+def _stage_of(config: Any) -> int:
+    """1, 2 or 3: the training command a config belongs to (configs/train.yaml has ``model``,
+    configs/stage2.yaml ``detector``, configs/stage3.yaml ``detector`` and ``semi_supervised``)."""
+    if not config or "detector" not in config:
+        return 1
+    return 3 if "semi_supervised" in config else 2
+
+
+def _run_kind(stage: int) -> str:
+    return f"{_STAGE_NAMES[stage]} ({_TOOLS[stage]})"
 
 
 def _check_resumable(path: Path, checkpoint: dict[str, Any], cfg: DictConfig) -> None:
     """Refuse a checkpoint that is not a training run's periodic one (no training state: a final model
-    copied in, another program's file), and a first-stage run resumed with the second stage's command or
-    the other way round: their settings share few keys, and the difference would read as dozens of
-    refused changes."""
+    copied in, another program's file), and a run resumed with another stage's command (a second-stage
+    run by tools/train_stage3.py, say): their settings differ in whole groups, and the difference would
+    read as dozens of refused changes, or a run would silently become another kind."""
     missing = [key for key in ("trainer", "metadata", "model", "optimizer") if key not in checkpoint]
     if missing:
         raise ConfigError(
@@ -222,10 +233,13 @@ def _check_resumable(path: Path, checkpoint: dict[str, Any], cfg: DictConfig) ->
             f" checkpoints (model_<iteration>.pth) a training run writes; move this file out of"
             f" {path.parent}, or give another output_dir"
         )
-    saved = (checkpoint.get("metadata") or {}).get("architecture") == FASTER_RCNN_ARCHITECTURE
-    command = "detector" in cfg  # configs/stage2.yaml's detector node; configs/train.yaml has model
+    metadata = checkpoint.get("metadata") or {}
+    saved = _stage_of(metadata.get("config"))
+    if metadata.get("config") is None:  # an older checkpoint: its architecture says which detector
+        saved = 2 if metadata.get("architecture") == FASTER_RCNN_ARCHITECTURE else 1
+    command = _stage_of(cfg)
     if saved != command:
-        tool = "tools/train_stage2.py" if saved else "tools/train.py"
+        tool = _TOOLS[saved]
         raise ConfigError(
             f"{path} belongs to {_run_kind(saved)}, and this command starts {_run_kind(command)}: resume it"
             f" with {tool} output_dir={path.parent} resume=true, or give this command another output_dir"
