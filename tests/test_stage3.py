@@ -99,7 +99,8 @@ def test_the_split_keeps_the_k_lowest_losses_and_writes_them_beside_the_json(sta
         0 <= (c["share"] or 0) <= 1 for c in shares.values()
     )
     assert "copypaste: labelled=5/12" in (pseudo / "log.txt").read_text()
-    assert set(split["quality"]) == {"labelled", "unlabelled"}
+    assert set(split["quality"]) == {"labelled", "unlabelled"} and content["quality"] == split["quality"]
+    assert content["quality"]["labelled"]["images"] == 5
     assert read_split(pseudo / "split.json") == {i["source_id"]: i["labelled"] for i in images}
 
 

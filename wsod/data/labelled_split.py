@@ -12,6 +12,8 @@ Layout (a json object):
               ``loss`` the sum of ``losses``
     per_class {class name: {"images", "labelled", "share"}}: the images holding the class among their
               image labels, how many of them are labelled, and that share (NaN-free: null when none)
+    quality   (with ground truth on the training set) {"labelled" | "unlabelled": {"images", "precision",
+              "recall"}}: each part's pseudo boxes against the ground truth at IoU 0.5
 
 ``read_split`` checks the layout and returns ``{source_id: labelled}``; a wrong file gets one line
 naming it, the entry and the field.
@@ -42,9 +44,10 @@ def split_json(
     labelled: Sequence[bool],
     per_class: Mapping[str, Mapping[str, Any]],
     info: Mapping[str, Any],
+    quality: Mapping[str, Mapping[str, Any]] | None = None,
 ) -> dict[str, Any]:
     """The json (module docstring) of image i: ``source_ids[i]``, ``file_names[i]``, its named
-    ``losses[i]`` and whether it is ``labelled[i]``."""
+    ``losses[i]`` and whether it is ``labelled[i]``; ``quality`` only when given."""
     if not len(source_ids) == len(file_names) == len(losses) == len(labelled):
         raise ValueError("split_json: one source id, file name, loss set and flag per image")
     images = [
@@ -57,7 +60,10 @@ def split_json(
         }
         for source_id, name, named, flag in zip(source_ids, file_names, losses, labelled, strict=True)
     ]
-    return {"info": dict(info), "images": images, "per_class": {k: dict(v) for k, v in per_class.items()}}
+    content = {"info": dict(info), "images": images, "per_class": {k: dict(v) for k, v in per_class.items()}}
+    if quality is not None:
+        content["quality"] = {part: dict(values) for part, values in quality.items()}
+    return content
 
 
 def write_split(content: Mapping[str, Any], path: str | os.PathLike) -> Path:

@@ -115,14 +115,14 @@ def _split_in(out_dir: Path, cfg: DictConfig, device: torch.device) -> dict[str,
         "seed": int(cfg.seed),
         "positive_fraction": float(cfg.positive_fraction),
     }
-    content = split_json(
-        [r.image_id for r in records], relative_file_names(records), [s.losses for s in scores],
-        labelled, per_class, info,
-    )  # fmt: skip
-    write_split(content, out_dir / SPLIT_FILE)
     summary: dict[str, Any] = {"images": len(records), "labelled": int(cfg.k), "per_class": per_class}
     if all(d.has_ground_truth for d in getattr(dataset, "datasets", [dataset])):
         summary["quality"] = _quality(records, labelled, len(classes))
+    content = split_json(
+        [r.image_id for r in records], relative_file_names(records), [s.losses for s in scores],
+        labelled, per_class, info, summary.get("quality"),
+    )  # fmt: skip
+    write_split(content, out_dir / SPLIT_FILE)
     logger.info("%s\nsplit written to %s", _table(summary, classes), out_dir / SPLIT_FILE)
     return {**summary, "output": str(out_dir / SPLIT_FILE)}
 
