@@ -4,9 +4,13 @@ runs the first block once per session; the second- and third-stage tests read it
 
 from __future__ import annotations
 
+import json
+import math
 import os
 import re
 import shlex
+import subprocess
+import sys
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -83,3 +87,17 @@ def run_commands(commands: list[str], root: Path, workdir: Path) -> list[Any]:
     finally:
         os.chdir(cwd)
     return results
+
+
+def run_under_torchrun(tool: str, overrides: list[str], run_dir: Path, steps: int = 4) -> None:
+    """``tool`` under torchrun with two gloo processes: it must exit 0, log each of ``steps`` steps once
+    with a finite loss, evaluate once and write ``model_final.pth`` into ``run_dir``."""
+    launcher = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2"]
+    command = [*launcher, tool, *overrides]
+    result = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert [r["iteration"] for r in rows if r["kind"] == "train"] == list(range(1, steps + 1))
+    assert [r["kind"] for r in rows].count("eval") == 1
+    assert all(math.isfinite(r["loss_total"]) for r in rows if r["kind"] == "train")
+    assert (run_dir / "model_final.pth").is_file()

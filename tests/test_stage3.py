@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from guide_pipeline import compose_config, guide_block, run_commands, short_overrides
+from guide_pipeline import compose_config, guide_block, run_commands, run_under_torchrun, short_overrides
 from tiny_run import TINY_TOY, kill_and_resume
 
 from wsod.build import load_detector
@@ -191,3 +191,18 @@ def test_a_third_stage_refuses_another_detector_and_an_unknown_split(stage3, tin
     resumed = [o for o in _stage3_overrides(workdir, tiny_toy_root, second)] + ["resume=true"]
     with pytest.raises(ConfigError, match=r"belongs to a second-stage run \(tools/train_stage2.py\)"):
         train_stage3_from_config(compose_config("stage3", resumed))
+
+
+@pytest.mark.slow
+def test_the_third_stage_trains_under_torchrun_with_two_gloo_processes(stage3, tiny_toy_root, tmp_path):
+    """DDP: two processes of 1 labelled + 1 unlabelled image each, each with its own EMA teacher (equal:
+    DDP keeps the students equal), write one run directory and evaluate once."""
+    workdir, _ = stage3
+    run_dir = tmp_path / "ddp"
+    overrides = [
+        o for o in _stage3_overrides(workdir, tiny_toy_root, run_dir) if not o.startswith("solver.max_iter")
+    ]
+    extra = ["solver.max_iter=4", "solver.ims_per_batch=1", "semi_supervised.unlabelled_per_batch=1"]
+    run_under_torchrun("tools/train_stage3.py", [*overrides, *extra], run_dir)
+    final = torch.load(run_dir / "model_final.pth", weights_only=True)
+    assert set(final) >= {"model", "teacher"}
