@@ -20,7 +20,9 @@ from wsod.engine.checkpoint import UntrustedCheckpointError, latest_valid_checkp
 from wsod.runs.evaluate import evaluate_from_config
 from wsod.runs.export import export_from_config
 from wsod.runs.predict import predict_from_config
+from wsod.runs.split import split_from_config
 from wsod.runs.stage2 import train_stage2_from_config
+from wsod.runs.stage3 import train_stage3_from_config
 from wsod.runs.train import train_from_config
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -64,6 +66,7 @@ def _commands(root: Path, tmp: Path, hostile: Path):
     pseudo = tmp / "pseudo_labels.json"
     minimal_pseudo_labels(pseudo)
     images = root / "VOCdevkit" / "VOC2007" / "JPEGImages"
+    stage3 = [*data, f"pseudo_labels={pseudo}", f"split={tmp / 'split.json'}"]
     return [
         ("tools/eval.py", evaluate_from_config, "eval", [f"checkpoint={hostile}", *data]),
         (
@@ -95,6 +98,24 @@ def _commands(root: Path, tmp: Path, hostile: Path):
             train_stage2_from_config,
             "stage2",
             [*data, f"pseudo_labels={pseudo}", f"output_dir={run_dir}", "resume=true"],
+        ),
+        (
+            "tools/split_pseudo_labels.py",
+            split_from_config,
+            "split",
+            [f"checkpoint={hostile}", f"pseudo_labels={pseudo}", "k=1", f"output_dir={tmp / 'split'}", *data],
+        ),
+        (
+            "tools/train_stage3.py initial_weights=",
+            train_stage3_from_config,
+            "stage3",
+            [*stage3, f"initial_weights={hostile}", f"output_dir={tmp / 'stage3'}"],
+        ),
+        (
+            "tools/train_stage3.py resume=true",
+            train_stage3_from_config,
+            "stage3",
+            [*stage3, f"initial_weights={LEGACY}", f"output_dir={run_dir}", "resume=true"],
         ),
     ]
 

@@ -36,7 +36,7 @@ from wsod.config_checks import STAGE3_RULES, ConfigError, check_config
 from wsod.config_schema import plain
 from wsod.data.loader import build_train_loader, concat_batches, infinite_batches
 from wsod.data.pseudo_boxes import check_pseudo_boxes_file
-from wsod.distributed import cleanup_distributed, is_main_process, main_process_first, setup_distributed
+from wsod.distributed import cleanup_distributed, is_main_process, setup_distributed
 from wsod.engine.checkpoint import load_checkpoint
 from wsod.modeling.faster_rcnn import ARCHITECTURE
 from wsod.runs.train import begin_training_run, run_training, train_and_evaluate
@@ -80,16 +80,27 @@ def joined_batches(
         yield concat_batches(pair)
 
 
-def _load_initial_weights(model: torch.nn.Module, cfg: DictConfig, classes: list[str]) -> None:
-    """The second stage's final weights into the student, after checking that they are a second-stage
-    detector of the same architecture and classes (one line naming the file and what differs)."""
+def _read_initial_weights(cfg: DictConfig) -> dict[str, Any]:
+    """The second stage's checkpoint (``initial_weights``, weights-only loading unless
+    ``trust_checkpoint``), refused in one line when it is not a second-stage detector's; read before any
+    data, so that a wrong file fails fast."""
     checkpoint = load_checkpoint(cfg.initial_weights, trust=cfg.trust_checkpoint)
     metadata = checkpoint.get("metadata") or {}
-    where = f"initial_weights={cfg.initial_weights}"
     if metadata.get("architecture") != ARCHITECTURE or "model" not in checkpoint:
         raise ConfigError(
-            f"{where}: not a second-stage checkpoint (give tools/train_stage2.py's model_final.pth)"
+            f"initial_weights={cfg.initial_weights}: not a second-stage checkpoint (give"
+            " tools/train_stage2.py's model_final.pth)"
         )
+    return checkpoint
+
+
+def _load_initial_weights(
+    model: torch.nn.Module, checkpoint: dict[str, Any], cfg: DictConfig, classes: list[str]
+) -> None:
+    """The second stage's final weights into the student, after checking that they are a detector of
+    the same architecture and classes (one line naming the file and what differs)."""
+    metadata = checkpoint["metadata"]
+    where = f"initial_weights={cfg.initial_weights}"
     if list(metadata.get("classes", [])) != classes:
         raise ConfigError(f"{where}: trained on classes {metadata.get('classes')}, the data holds {classes}")
     saved, wanted = metadata["model"], plain(cfg.detector)
@@ -102,13 +113,13 @@ def _load_initial_weights(model: torch.nn.Module, cfg: DictConfig, classes: list
 
 def _train_stage3_in(run_dir: Path, cfg: DictConfig, device: torch.device) -> dict[str, Any]:
     resolved, resume_from, resumed_at = begin_training_run(run_dir, cfg, device)
+    initial = _read_initial_weights(cfg)  # a resume's checkpoint replaces its weights
     prepare_data(cfg.data, progress=cfg.progress and is_main_process())
     labelled, unlabelled = build_stage3_train_datasets(cfg.data, cfg.pseudo_labels, cfg.split)
     evaluator = build_evaluator(cfg.data, device, cfg.progress, random_baseline=cfg.random_baseline)
     classes = list(labelled.classes)
     model = build_stage3_model(cfg.detector, len(classes), cfg.semi_supervised)
-    with main_process_first():
-        _load_initial_weights(model, cfg, classes)  # a resume's checkpoint replaces them
+    _load_initial_weights(model, initial, cfg, classes)
     model = model.to(device)
     optimizer = build_optimizer(cfg.solver, model)
     scheduler = build_scheduler(cfg.solver, optimizer)
