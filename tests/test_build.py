@@ -20,6 +20,7 @@ from wsod.build import (
     build_model,
     build_optimizer,
     build_scheduler,
+    build_test_dataset,
     build_train_dataset,
     check_partial_labels_read,
     load_detector,
@@ -113,6 +114,24 @@ def test_train_dataset_gets_the_configured_lighting_noise(tiny_toy_root, lightin
     data_cfg = OmegaConf.create({"kind": "toy", "root": str(tiny_toy_root), **TINY_TOY, "train": train})
     transform = build_train_dataset(data_cfg).transform
     assert transform.lighting_std == lighting_std and transform.flip_prob == 0.5
+
+
+def test_the_proposal_limits_of_data_train_and_data_test_reach_their_datasets(tiny_toy_root):
+    train = {"sets": [{"image_set": "trainval"}], "scales": [64], "max_size": 200, "flip": True}
+    train.update(max_proposals=5, min_proposal_size=30.0, lighting_std=0.0)
+    test = {"set": {"image_set": "test"}, "max_proposals": None, "min_proposal_size": 40.0}
+    data_cfg = OmegaConf.create(
+        {"kind": "toy", "root": str(tiny_toy_root), **TINY_TOY, "train": train, "test": test}
+    )
+    for dataset, smallest, most in (
+        (build_train_dataset(data_cfg), 30, 5),
+        (build_test_dataset(data_cfg), 40, None),
+    ):
+        assert dataset.min_proposal_size == smallest and dataset.max_proposals == most
+        for index in range(len(dataset)):
+            boxes = dataset.proposals_of(index)
+            sides = torch.minimum(boxes[:, 2] - boxes[:, 0], boxes[:, 3] - boxes[:, 1]) + 1
+            assert (sides >= smallest).all() and (most is None or len(boxes) <= most)
 
 
 @pytest.mark.parametrize("rescale", [True, False])
@@ -260,7 +279,7 @@ def _first_images_config(tiny_toy_root, kind="first_images"):
 
 
 def test_a_registered_dataset_format_is_what_the_data_kind_builds(tiny_toy_root, first_images_format):
-    from wsod.build import build_evaluator, build_export_datasets, build_test_dataset, prepare_data
+    from wsod.build import build_evaluator, build_export_datasets, prepare_data
 
     data_cfg = _first_images_config(tiny_toy_root)
     prepare_data(data_cfg, progress=True)
@@ -271,14 +290,23 @@ def test_a_registered_dataset_format_is_what_the_data_kind_builds(tiny_toy_root,
     (data, source, options), _ = first_images_format["open"]
     assert type(data) is dict and data == OmegaConf.to_container(data_cfg)  # plain settings
     assert source == {"image_set": "trainval", "count": 3, "partial_labels": None}
-    assert set(options) == {"transform", "max_proposals", "drop_unlabelled", "partial_labels"}
-    assert options["max_proposals"] == 7 and options["drop_unlabelled"]  # the format drops them in training
+    assert set(options) == {
+        "transform",
+        "max_proposals",
+        "min_proposal_size",
+        "drop_unlabelled",
+        "partial_labels",
+    }
+    assert (
+        options["max_proposals"] == 7 and options["min_proposal_size"] == 2.0 and options["drop_unlabelled"]
+    )  # the format drops them in training
 
     first_images_format["open"].clear()
     test = build_test_dataset(data_cfg)
     assert len(test) == 4 and test.transform is None
     assert first_images_format["open"][0][2] == {
-        "transform": None, "max_proposals": None, "drop_unlabelled": False, "partial_labels": None,
+        "transform": None, "max_proposals": None, "min_proposal_size": 2.0, "drop_unlabelled": False,
+        "partial_labels": None,
     }  # fmt: skip
     exported = build_export_datasets(data_cfg)  # to label: their unlabelled images left out
     assert [len(d) for d in exported] == [3, 2]

@@ -10,6 +10,7 @@
         --proposals data/proposals/given.pkl    # the recall of a file only
     python tools/make_proposals.py convert SelectiveSearchVOC2007trainval.mat voc_2007_trainval.pkl
     python tools/make_proposals.py convert ss_coco_train2017.pkl ss_coco_train2017.proposals  # mmap store
+    python tools/make_proposals.py convert sam_boxes.json sam_boxes.proposals   # boxes from any tool
 
 ``folder`` makes proposals for every image of ``<root>/labels.csv`` (both splits) and writes them where
 the folder dataset reads them, ``<root>/proposals/selective_search.proposals``: ``--output`` is not needed.
@@ -17,7 +18,9 @@ Generation is resumable: rerun the same command after an interruption. Wherever 
 ground-truth boxes, recall at IoU 0.5 and 0.7 versus the number of proposals is printed and plotted
 (``--recall-plot``, default next to the output file). An output or destination ending with
 ``.proposals`` is a memory-mapped proposal store (``wsod.data.proposals.store``): one copy of the boxes in
-the page cache for all training processes instead of one unpickled copy per process.
+the page cache for all training processes instead of one unpickled copy per process. ``convert`` reads
+reference and detectron2 pickles, ``.mat`` releases, a COCO-style ``.json`` of boxes and a folder of
+per-image ``.npy`` / ``.txt`` arrays, keeping each box's score (data/README.md, Proposal files).
 """
 
 from __future__ import annotations
@@ -86,7 +89,8 @@ def _parser() -> argparse.ArgumentParser:
     for sub in (voc, coco, folder, toy):
         _add_generation_options(sub)
     convert = commands.add_parser(
-        "convert", help="convert a proposal file (.pkl, .mat, .proposals store) by suffix"
+        "convert",
+        help="convert proposals: .pkl, .mat, a .json of boxes, a .npy/.txt folder, a .proposals store",
     )
     convert.add_argument("source", type=Path)
     convert.add_argument("destination", type=Path)

@@ -258,14 +258,17 @@ def _settings(node: DictConfig | dict) -> dict[str, Any]:
 
 
 def _open(
-    data_cfg: DictConfig, source: DictConfig, *, transform, max_proposals: int | None, drop_unlabelled: bool
+    data_cfg: DictConfig, source: DictConfig, *, transform, limits: DictConfig, drop_unlabelled: bool
 ) -> WeakDetectionDataset:
-    """One set (``source``: a ``data.train.sets`` entry or ``data.test.set``), opened by its format."""
+    """One set (``source``: a ``data.train.sets`` entry or ``data.test.set``), opened by its format, its
+    proposals cut by ``limits`` (``data.train`` or ``data.test``: ``max_proposals``,
+    ``min_proposal_size``)."""
     return _format(data_cfg).open(
         _settings(data_cfg),
         _settings(source),
         transform=transform,
-        max_proposals=max_proposals,
+        max_proposals=limits.max_proposals,
+        min_proposal_size=limits.get("min_proposal_size", 2.0),
         drop_unlabelled=drop_unlabelled,
         partial_labels=source.get("partial_labels"),  # a train set's side file (wsod.data.partial_labels)
     )
@@ -295,7 +298,7 @@ def build_train_dataset(data_cfg: DictConfig) -> Dataset:
     # docs/METHOD.md §9: COCO images without any label are dropped from training (the format says).
     drop = _format(data_cfg).drop_unlabelled_in_training
     sets = [
-        _open(data_cfg, source, transform=transform, max_proposals=train.max_proposals, drop_unlabelled=drop)
+        _open(data_cfg, source, transform=transform, limits=train, drop_unlabelled=drop)
         for source in train.sets
     ]
     return sets[0] if len(sets) == 1 else ConcatWeakDataset(sets)
@@ -332,8 +335,7 @@ def build_export_datasets(data_cfg: DictConfig) -> list[WeakDetectionDataset]:
     tools/export_pseudo_labels.py to predict (at the test views) and label."""
     train = data_cfg.train
     return [
-        _open(data_cfg, source, transform=None, max_proposals=train.max_proposals, drop_unlabelled=True)
-        for source in train.sets
+        _open(data_cfg, source, transform=None, limits=train, drop_unlabelled=True) for source in train.sets
     ]
 
 
@@ -347,7 +349,7 @@ def build_stage2_train_dataset(
     train = data_cfg.train
     transform = _train_transform(train) if transform is None else transform
     sets = [
-        _open(data_cfg, source, transform=transform, max_proposals=train.max_proposals, drop_unlabelled=True)
+        _open(data_cfg, source, transform=transform, limits=train, drop_unlabelled=True)
         for source in train.sets
     ]
     records = [r for d in sets for r in d.records]
@@ -418,7 +420,7 @@ def build_test_dataset(data_cfg: DictConfig) -> WeakDetectionDataset:
     """The images of ``data.test.set`` without a transform (``wsod.engine.inference.predict`` applies
     the test scales and flips)."""
     test = data_cfg.test
-    return _open(data_cfg, test.set, transform=None, max_proposals=test.max_proposals, drop_unlabelled=False)
+    return _open(data_cfg, test.set, transform=None, limits=test, drop_unlabelled=False)
 
 
 def build_evaluator(

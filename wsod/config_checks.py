@@ -193,6 +193,7 @@ _COMMON = {
     "data.test.scales": _SCALES,
     "data.test.max_size": _integer(1, optional=True),
     "data.test.max_proposals": _integer(1, optional=True),
+    "data.test.min_proposal_size": _number(0),
     "data.test.batch_size": _integer(1),
     "data.test.num_workers": _integer(0),
     # The data group is shared: an evaluation composes data.train too, unused there but checked alike.
@@ -200,6 +201,7 @@ _COMMON = {
     "data.train.scales": _SCALES,
     "data.train.max_size": _integer(1, optional=True),
     "data.train.max_proposals": _integer(1, optional=True),
+    "data.train.min_proposal_size": _number(0),
     "data.train.num_workers": _integer(0),
     "data.train.lighting_std": _number(0),
     "data.train.views": _integer(1),
@@ -573,6 +575,7 @@ _FIXED_ON_RESUME = {
     "method.num_students": "the saved weights hold that many students",
     "detector": "the saved weights belong to the saved architecture",
     "pseudo_labels": "the training boxes must be the checkpoint's",
+    "split": "the labelled and unlabelled images must be the checkpoint's",
 }
 # Inside those prefixes, these may change: they do not touch weights or data order.
 _FREE_ON_RESUME = (

@@ -73,6 +73,8 @@ def upgrade_saved_config(saved: Mapping[str, Any], like: Mapping[str, Any] | Non
         config["model"], config["method"] = upgrade_model_settings(config["model"], config.get("method"))
         if "backbone" in config["model"]:  # a first-stage model: before the EMA teacher, the student
             config["model"].setdefault("eval_weights", "student")
+    if isinstance(config.get("detector"), Mapping):  # before the key: torchvision's fraction, fixed
+        config["detector"].setdefault("rpn_positive_fraction", 0.5)
     solver = config.get("solver")
     if isinstance(solver, Mapping) and isinstance(solver.get("gradnorm"), Mapping):
         for key, value in _GRADNORM_BEFORE_ITS_SETTINGS.items():
@@ -85,6 +87,7 @@ def upgrade_saved_config(saved: Mapping[str, Any], like: Mapping[str, Any] | Non
         train = data.get("train")
         if isinstance(train, Mapping):
             train.setdefault("views", 1)  # before views: one view per image, the same run
+            train.setdefault("min_proposal_size", 2.0)  # before the key: the datasets' fixed 2 pixels
         # Before partial labels: no roi_sampling, train sets without partial_labels. Sampling acts only on
         # images with points or scribbles, which such a run had none of: the same run with them off.
         if isinstance(train, Mapping) and isinstance(train.get("sets"), list) and "roi_sampling" not in train:

@@ -147,7 +147,10 @@ class TrainData:
     max_size: Optional[int] = 2000  # longer side cap
     flip: bool = True  # random horizontal flip
     lighting_std: float = 0.1  # PCA lighting noise std (reference INPUT.PCA, on by default: 0.1); 0: off
-    max_proposals: Optional[int] = None  # keep at most this many proposals per image (file order); null: all
+    # Keep at most this many proposals per image: the best-scored when the file has scores, else the first
+    # in file order; null: all.
+    max_proposals: Optional[int] = None
+    min_proposal_size: float = 2.0  # drop proposals narrower or shorter than this (inclusive pixels)
     roi_sampling: RoiSampling = field(default_factory=RoiSampling)
     # Independently augmented views of each image (scale, flip, lighting, ROI sampling drawn per view),
     # collated image-major with batch["views"] (wsod.data.loader); 1: plain items, as before
@@ -165,7 +168,8 @@ class TestData:
     scales: list[int] = field(default_factory=lambda: [800, 480, 576, 688, 864, 1000, 1200])
     max_size: Optional[int] = 2000
     flip: bool = True  # also run each scale flipped (7 scales x 2: 14 views)
-    max_proposals: Optional[int] = None
+    max_proposals: Optional[int] = None  # as data.train's
+    min_proposal_size: float = 2.0
     batch_size: int = 1
     num_workers: int = 4
     metric: Metric = Metric.voc07  # voc07: devkit 11-point AP + CorLoc | area: VOC 2010+ AP | coco: COCOeval

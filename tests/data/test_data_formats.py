@@ -21,7 +21,10 @@ from wsod.data.voc import VOCDataset
 
 BUILT_IN = ("toy", "voc", "coco", "folder")
 # The options wsod.build passes to every format's open.
-OPTIONS = {"transform": None, "max_proposals": None, "drop_unlabelled": False, "partial_labels": None}
+OPTIONS = {
+    "transform": None, "max_proposals": None, "min_proposal_size": 2.0, "drop_unlabelled": False,
+    "partial_labels": None,
+}  # fmt: skip
 
 
 def _open(kind: str, data: dict, source: dict, **options) -> WeakDetectionDataset:

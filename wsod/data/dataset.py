@@ -141,7 +141,8 @@ class WeakDetectionDataset(Dataset):
         transform: item dict -> item dict, e.g. ``wsod.data.transforms.train_transform()``.
         min_proposal_size: proposals whose inclusive pixel width ``x2 - x1 + 1`` or height is below
             this are dropped (``wsod.data.proposals.filter_proposals``).
-        max_proposals: keep at most this many proposals per image (file order); None keeps all.
+        max_proposals: keep at most this many proposals per image: the best-scored when the file has
+            scores (a stable sort: ties in file order), else the first in file order; None keeps all.
         drop_unlabelled: drop images without any positive image-level label (training).
         check_files: check at construction that every image file exists.
         partial_labels: a side file of points, scribbles and boxes on some objects
@@ -259,8 +260,9 @@ class WeakDetectionDataset(Dataset):
         record = self.records[index]
         size = image_size or (record.height, record.width)
         boxes = filter_proposals(
-            self.proposals[record.image_id], size, min_size=self.min_proposal_size, top_k=self.max_proposals
-        )
+            self.proposals[record.image_id], size, min_size=self.min_proposal_size, top_k=self.max_proposals,
+            scores=self.proposals.scores(record.image_id),
+        )  # fmt: skip
         if len(boxes):
             return boxes
         # The detector needs at least one ROI; the whole image is the one box that is always valid.

@@ -28,7 +28,7 @@ A format of your own, e.g. images listed in some other file::
 then ``data.kind=my_list`` (its module imported before the config is built, e.g. by the script that
 runs). Settings arrive as plain dicts (no OmegaConf): ``data`` is the whole ``data`` node, ``source`` the
 set's node; ``options`` are ``WeakDetectionDataset``'s keyword arguments (``transform``,
-``max_proposals``, ``drop_unlabelled``, ``partial_labels``), to pass on unchanged.
+``max_proposals``, ``min_proposal_size``, ``drop_unlabelled``, ``partial_labels``), to pass on unchanged.
 
 This module sits below ``wsod.build`` (tests/test_imports.py): it imports the dataset classes, never the
 builder, Hydra or OmegaConf.

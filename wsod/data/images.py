@@ -96,6 +96,7 @@ class ImageFiles(Dataset):
     def __getitem__(self, index: int) -> dict[str, Any]:
         image = load_image(self.files[index])
         size = (image.shape[-2], image.shape[-1])
+        scores = None  # Selective Search's own order is its ranking
         if self.proposals is None and self.mode is None:
             raw = whole_image_box(size).numpy()
         elif self.proposals is None:
@@ -103,7 +104,8 @@ class ImageFiles(Dataset):
             raw = selective_search(bgr, self.mode)
         else:
             raw = self.proposals[self.names[index]]
-        boxes = filter_proposals(raw, size, min_size=self.min_size, top_k=self.max_proposals)
+            scores = self.proposals.scores(self.names[index])
+        boxes = filter_proposals(raw, size, min_size=self.min_size, top_k=self.max_proposals, scores=scores)
         if not len(boxes):
             boxes = whole_image_box(size)  # the detector needs one box; the whole image always exists
         return {

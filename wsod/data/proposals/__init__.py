@@ -8,14 +8,18 @@ One concept per module, each importing only the ones above it in this list (so t
 - ``sets``: ``ProposalSet`` (lookup by image id, recorded image sizes), ``proposal_key``, the loading
   rules (``filter_proposals``) and the errors of a lookup;
 - ``store``: ``ProposalStore``, a ``ProposalSet`` memory-mapped from a ``<name>.proposals`` directory;
-- ``io``: reading, writing and converting files by suffix (reference pickles, MATLAB releases, stores);
+- ``box_lists``: boxes from any tool (a COCO-style json of boxes, a folder of per-image arrays);
+- ``io``: reading, writing and converting files by suffix (reference pickles, detectron2's proposal
+  pickles, MATLAB releases, the ``box_lists`` inputs, stores);
 - ``selective_search``: generating proposals over a dataset (OpenCV; imported on its own, not here);
 - ``recall``: the fraction of ground-truth boxes the proposals cover (imported on its own, not here).
 
 This package re-exports every name ``wsod.data.proposals`` had when it was one module, and the store's.
 """
 
+from wsod.data.proposals.box_lists import read_box_folder, read_box_json
 from wsod.data.proposals.io import (
+    JSON_SUFFIXES,
     MAT_SUFFIXES,
     PICKLE_SUFFIXES,
     convert_proposals,
@@ -63,6 +67,9 @@ __all__ = [
     "ImageId",
     "PICKLE_SUFFIXES",
     "MAT_SUFFIXES",
+    "JSON_SUFFIXES",
+    "read_box_json",
+    "read_box_folder",
     "ProposalStore",
     "ProposalStoreError",
     "STORE_SUFFIX",

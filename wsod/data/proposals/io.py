@@ -6,12 +6,14 @@ Boxes are float32 ``(R, 4)`` ``x1 y1 x2 y2``, 0-based inclusive pixels of the im
 Formats:
 
 - Reference pickle (``.pkl`` / ``.pickle``): a dict with ``'boxes'`` (list of float ``(R_i, 4)`` arrays,
-  0-based ``x1 y1 x2 y2``), ``'scores'`` (list of ``(R_i,)`` arrays; read but unused) and ``'indexes'``
-  (image ids; detectron2's ``'ids'`` is accepted too). Files written by Python 2 are read with latin1
-  decoding. They are read with ``wsod.data.proposals.safe_pickle``'s restricted unpickler, which builds
-  numpy arrays, dicts, lists and plain values only: a file that asks for anything else (a function to
-  call, another class) is refused with ``UnsafePickleError``, naming the file and what it asked for,
-  before that runs.
+  0-based ``x1 y1 x2 y2``), ``'scores'`` (list of ``(R_i,)`` arrays: ``data.*.max_proposals`` keeps the
+  best-scored) and ``'indexes'`` (image ids). detectron2's proposal pickle is read too: ``'ids'`` for
+  the ids, ``'objectness_logits'`` for the scores (the logits as they are: their order is the
+  probabilities'), and ``'bbox_mode'`` 0 (``XYXY_ABS``, taken as it is) or 1 (``XYWH_ABS``: ``x2 = x + w``,
+  as COCO's boxes are read). Files written by Python 2 are read with latin1 decoding. They are read
+  with ``wsod.data.proposals.safe_pickle``'s restricted unpickler, which builds numpy arrays, dicts,
+  lists and plain values only: a file that asks for anything else (a function to call, another class)
+  is refused with ``UnsafePickleError``, naming the file and what it asked for, before that runs.
 - MATLAB ``.mat`` releases (the common Selective Search VOC release): ``'boxes'``, a cell of ``(R_i, 4)``
   arrays, and ``'images'``, a cell of image ids; optional ``'scores'``. Their boxes are ``y1 x1 y2 x2``,
   1-based inclusive by default (``box_order="yxyx", one_based=True``): the stored row
@@ -20,6 +22,9 @@ Formats:
 - Proposal stores (a ``<name>.proposals`` directory): memory-mapped, for sets too large to hold in every
   process's RAM; see ``wsod.data.proposals.store``. ``load_proposals`` opens them as a ``ProposalStore``,
   a ``ProposalSet`` whose boxes stay on disk (in the page cache, shared by all processes).
+
+- Boxes from any tool: a ``.json`` of COCO-style boxes, or a folder of per-image ``.npy`` / ``.txt`` arrays
+  (``wsod.data.proposals.box_lists``).
 
 Image sizes (``ProposalSet.image_size``, see ``wsod.data.proposals.sets``): wsod's pickles carry them as
 one extra key, ``'image_sizes'``, an ``(N, 2)`` int32 array in file order with ``(0, 0)`` where a size is
@@ -43,7 +48,8 @@ import numpy as np
 import scipy.io
 
 from wsod.atomic import atomic_write
-from wsod.data.box_formats import from_one_based, to_one_based, xyxy_to_yxyx, yxyx_to_xyxy
+from wsod.data.box_formats import coco_xywh_to_xyxy, from_one_based, to_one_based, xyxy_to_yxyx, yxyx_to_xyxy
+from wsod.data.proposals.box_lists import read_box_folder, read_box_json
 from wsod.data.proposals.safe_pickle import RestrictedUnpickler, UnsafePickleError
 from wsod.data.proposals.sets import ImageId, ProposalSet, _a, _as_boxes, _as_scores, _as_sizes
 from wsod.data.proposals.store import ProposalStore, is_store_path, write_proposal_store
@@ -51,6 +57,7 @@ from wsod.data.proposals.store import ProposalStore, is_store_path, write_propos
 __all__ = [
     "PICKLE_SUFFIXES",
     "MAT_SUFFIXES",
+    "JSON_SUFFIXES",
     "load_proposals",
     "save_proposals",
     "convert_proposals",
@@ -64,6 +71,7 @@ logger = logging.getLogger(__name__)
 
 PICKLE_SUFFIXES = (".pkl", ".pickle")
 MAT_SUFFIXES = (".mat",)
+JSON_SUFFIXES = (".json",)
 
 
 PICKLE_LAYOUT = (
@@ -120,12 +128,35 @@ def read_proposal_pickle(path: str | os.PathLike) -> ProposalSet:
         _as_boxes(b, i, source, "field 'boxes', entry", n)
         for n, (b, i) in enumerate(zip(boxes, ids, strict=True))
     ]
-    scores = data.get("scores")
-    if scores is not None and (not _is_list(scores) or len(scores) != len(arrays)):
-        scores = None  # some releases ship an empty or placeholder 'scores'; they are unused anyway
+    mode = data.get("bbox_mode", 0)
+    if mode not in (0, 1) or isinstance(mode, bool):
+        raise ValueError(
+            f"{path}: field 'bbox_mode' is {mode!r}; expected 0 (detectron2's XYXY_ABS) or 1 (XYWH_ABS)"
+        )
+    if mode == 1:
+        arrays = [coco_xywh_to_xyxy(b).astype(np.float32) for b in arrays]
+    scores_field = "scores" if "scores" in data else "objectness_logits"
+    scores = data.get(scores_field)
+    if (
+        scores_field == "scores"
+        and scores is not None
+        and (not _is_list(scores) or len(scores) != len(arrays))
+    ):
+        # Some reference releases ship an empty or placeholder 'scores': read as none (file order ranks).
+        logger.warning(
+            "%s: field 'scores' holds no score per image (%s); reading the file without scores",
+            path,
+            _a(scores),
+        )
+        scores = None
     if scores is not None:
+        if not _is_list(scores) or len(scores) != len(arrays):
+            raise ValueError(
+                f"{path}: field {scores_field!r} is {_a(scores)}; expected a list of one score array per"
+                " image"
+            )
         scores = [
-            _as_scores(s, len(b), i, source, "field 'scores', entry", n)
+            _as_scores(s, len(b), i, source, f"field {scores_field!r}, entry", n)
             for n, (s, b, i) in enumerate(zip(scores, arrays, ids, strict=True))
         ]
     sizes = _as_sizes(data.get("image_sizes"), len(ids), ids.__getitem__, f"{path}: field 'image_sizes'")
@@ -228,10 +259,11 @@ def write_proposal_mat(
         scipy.io.savemat(f, {"boxes": boxes, "images": images})
 
 
-def _unknown_type(path: str | os.PathLike) -> ValueError:
+def _unknown_type(path: str | os.PathLike, *, reading: bool = True) -> ValueError:
+    readable = PICKLE_SUFFIXES + MAT_SUFFIXES + (JSON_SUFFIXES if reading else ())
+    folder = ", a folder of per-image .npy / .txt boxes" if reading else ""
     return ValueError(
-        f"{path}: unknown proposal file type; expected one of {PICKLE_SUFFIXES + MAT_SUFFIXES}"
-        " or a '.proposals' store"
+        f"{path}: unknown proposal file type; expected one of {readable}{folder} or a '.proposals' store"
     )
 
 
@@ -243,12 +275,16 @@ def load_proposals(path: str | os.PathLike, **mat_options) -> ProposalSet:
         logger.info("opened proposal store %s: %d boxes for %d images", path, store.num_boxes, len(store))
         return store
     suffix = Path(path).suffix.lower()
-    if not Path(path).is_file():
+    if Path(path).is_dir():
+        proposals = read_box_folder(path)
+    elif not Path(path).is_file():
         raise FileNotFoundError(f"proposal file not found: {path}")
-    if suffix in PICKLE_SUFFIXES:
+    elif suffix in PICKLE_SUFFIXES:
         proposals = read_proposal_pickle(path)
     elif suffix in MAT_SUFFIXES:
         proposals = read_proposal_mat(path, **mat_options)
+    elif suffix in JSON_SUFFIXES:
+        proposals = read_box_json(path)
     else:
         raise _unknown_type(path)
     logger.info("read %d boxes for %d images from %s", proposals.num_boxes, len(proposals), path)
@@ -268,7 +304,7 @@ def save_proposals(
     elif suffix in MAT_SUFFIXES:
         write_proposal_mat(proposals, path, **mat_options)
     else:
-        raise _unknown_type(path)
+        raise _unknown_type(path, reading=False)
 
 
 def convert_proposals(
@@ -290,7 +326,7 @@ def convert_proposals(
         not is_store_path(destination)
         and Path(destination).suffix.lower() not in PICKLE_SUFFIXES + MAT_SUFFIXES
     ):
-        raise _unknown_type(destination)
+        raise _unknown_type(destination, reading=False)
     proposals = load_proposals(source, box_order=box_order, one_based=one_based)
     save_proposals(proposals, destination, dtype=dtype, box_order=box_order, one_based=one_based)
     return proposals

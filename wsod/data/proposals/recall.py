@@ -139,7 +139,13 @@ def records_recall(
     if not with_boxes:
         return None
     boxes = [
-        filter_proposals(proposals[r.image_id], (r.height, r.width), min_size=min_size, top_k=top_k)
+        filter_proposals(
+            proposals[r.image_id],
+            (r.height, r.width),
+            min_size=min_size,
+            top_k=top_k,
+            scores=proposals.scores(r.image_id),
+        )  # fmt: skip
         for r in with_boxes
     ]
     return proposal_recall(

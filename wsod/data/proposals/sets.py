@@ -363,6 +363,7 @@ def filter_proposals(
     *,
     min_size: float = 2.0,
     top_k: int | None = None,
+    scores: np.ndarray | Tensor | None = None,
 ) -> Tensor:
     """docs/METHOD.md §9 loading rules on one image's boxes (R, 4) -> float32 (R', 4), R' <= R.
 
@@ -370,9 +371,12 @@ def filter_proposals(
     inclusive pixel width ``x2 - x1 + 1`` or height ``y2 - y1 + 1`` is below ``min_size`` (the reference
     code's rule: with the default 2, a box spanning pixels 5 and 6, ``[5, ., 6, .]``, is kept) and boxes
     with ``x2 <= x1`` or ``y2 <= y1`` whatever ``min_size`` (they have no area in the continuous
-    convention of IoU and box encoding; the reference's clipping drops them too); drop exact duplicates,
-    keeping the first; keep the first ``top_k`` (file order is the proposal method's ranking).
-    Deduplication comes after clipping because clipping turns boxes that overhang an edge into duplicates.
+    convention of IoU and box encoding; the reference's clipping drops them too); with ``top_k`` and
+    ``scores`` (R,), order the boxes by decreasing score (a stable sort: equal scores, all-zero ones
+    included, keep file order); drop exact duplicates, keeping the first; keep the first ``top_k``
+    (without scores, file order is the proposal method's ranking). Deduplication comes after clipping
+    because clipping turns boxes that overhang an edge into duplicates, and after the ordering so that
+    a duplicate keeps its best-scored copy's place.
     """
     height, width = image_size
     boxes = torch.tensor(np.asarray(boxes, dtype=np.float32)).reshape(-1, 4)
@@ -381,6 +385,11 @@ def filter_proposals(
     widths, heights = boxes[:, 2] - boxes[:, 0], boxes[:, 3] - boxes[:, 1]
     keep = (widths + 1 >= min_size) & (heights + 1 >= min_size) & (widths > 0) & (heights > 0)
     boxes = boxes[keep]
+    if top_k is not None and scores is not None:
+        ranked = torch.tensor(np.asarray(scores, dtype=np.float32)).reshape(-1)
+        if len(ranked) != len(keep):
+            raise ValueError(f"filter_proposals: {len(ranked)} scores for {len(keep)} boxes")
+        boxes = boxes[torch.argsort(ranked[keep], descending=True, stable=True)]
     if len(boxes):
         _, first = np.unique(boxes.numpy(), axis=0, return_index=True)
         boxes = boxes[torch.from_numpy(np.sort(first))]
