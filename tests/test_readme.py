@@ -39,6 +39,7 @@ from wsod.config_checks import (
     EVAL_RULES,
     EXPORT_RULES,
     PREDICT_RULES,
+    RPN_PROPOSALS_RULES,
     SPLIT_RULES,
     STAGE2_RULES,
     STAGE3_RULES,
@@ -59,6 +60,7 @@ HYDRA_TOOLS = {
     "train_stage2.py": ("stage2", STAGE2_RULES),
     "split_pseudo_labels.py": ("split", SPLIT_RULES),
     "train_stage3.py": ("stage3", STAGE3_RULES),
+    "rpn_proposals.py": ("rpn_proposals", RPN_PROPOSALS_RULES),
 }
 
 

@@ -39,7 +39,7 @@ def _cases() -> list[tuple[str, str, list[str]]]:
     cases.append(("stage2", "stage2", []))
     for group in ("data", "detector", "stage2_experiment"):
         cases += [(f"stage2 {group}={o}", "stage2", [f"{group}={o}"]) for o in _options(group)]
-    cases += [("split", "split", []), ("stage3", "stage3", [])]
+    cases += [("split", "split", []), ("stage3", "stage3", []), ("rpn_proposals", "rpn_proposals", [])]
     cases += [
         (f"stage3 stage3_experiment={o}", "stage3", [f"stage3_experiment={o}"])
         for o in _options("stage3_experiment")

@@ -339,6 +339,21 @@ def build_export_datasets(data_cfg: DictConfig) -> list[WeakDetectionDataset]:
     ]
 
 
+def build_proposal_datasets(data_cfg: DictConfig) -> dict[str, WeakDetectionDataset]:
+    """Every image of ``data.train``'s sets and of ``data.test``'s, without a transform and with the
+    unlabelled ones kept, by name (``train_<i>``, ``test``): what tools/rpn_proposals.py makes proposals
+    for."""
+    train = data_cfg.train
+    sets = {
+        f"train_{i}": _open(data_cfg, source, transform=None, limits=train, drop_unlabelled=False)
+        for i, source in enumerate(train.sets)
+    }
+    sets["test"] = _open(
+        data_cfg, data_cfg.test.set, transform=None, limits=data_cfg.test, drop_unlabelled=False
+    )
+    return sets
+
+
 def build_stage2_train_dataset(
     data_cfg: DictConfig, pseudo_labels: str | Path, transform: Callable[[dict], Any] | None = None
 ) -> Dataset:

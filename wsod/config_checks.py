@@ -43,6 +43,7 @@ __all__ = [
     "PREDICT_RULES",
     "EXPORT_RULES",
     "SPLIT_RULES",
+    "RPN_PROPOSALS_RULES",
     "STAGE3_RULES",
     "STAGE2_RULES",
 ]
@@ -185,7 +186,10 @@ _COMMON = {
     "data.test.set.split": _SPLIT,
     "data.test.set.year": _VOC_YEAR,
     "data.test.set.image_set": _name("data.test.set.image_set=test"),
-    "data.test.set.proposals": _path("data.test.set.proposals=data/proposals/my_test.pkl"),
+    # null only where the schema allows it (the toy: its generated Selective Search).
+    "data.test.set.proposals": _optional_path(
+        "a path, e.g. data.test.set.proposals=data/proposals/my_test.pkl"
+    ),
     "data.test.set.annotations": _path("data.test.set.annotations=data/coco/my_test.json"),
     "data.test.set.images": _path("data.test.set.images=data/coco/val2017"),
     "data.num_train": _integer(1),
@@ -378,6 +382,18 @@ SPLIT_RULES: dict[str, _Rule] = {
     "scale": _integer(1, optional=True),
     "positive_fraction": _Rule(lambda v: _is_number(v) and 0 < v <= 1, "a number > 0 and <= 1"),
     "seed": _integer(0),
+}
+
+
+# tools/rpn_proposals.py (configs/rpn_proposals.yaml).
+RPN_PROPOSALS_RULES: dict[str, _Rule] = {
+    **{key: rule for key, rule in _COMMON.items() if key != "random_baseline"},
+    "checkpoint": _path("checkpoint=runs/my_stage2/model_final.pth"),
+    "output_dir": _optional_path("null or a folder, e.g. runs/my_stage2/rpn_proposals"),
+    "scale": _integer(1, optional=True),
+    "pre_nms_top_n": _integer(1),
+    "post_nms_top_n": _integer(1),
+    "nms_iou": _Rule(lambda v: _is_number(v) and 0 < v <= 1, "a number > 0 and <= 1"),
 }
 
 

@@ -84,6 +84,12 @@ def upgrade_saved_config(saved: Mapping[str, Any], like: Mapping[str, Any] | Non
         if data.get("kind") == "folder":
             for key, value in _FOLDER_SPLIT_BEFORE_ITS_SETTINGS.items():
                 data.setdefault(key, value)
+        if data.get("kind") == "toy":  # before toy sets took a proposal file: their own Selective Search
+            train_sets = (data.get("train") or {}).get("sets")
+            test_set = (data.get("test") or {}).get("set")
+            for node in [*(train_sets if isinstance(train_sets, list) else []), test_set]:
+                if isinstance(node, dict):
+                    node.setdefault("proposals", None)
         train = data.get("train")
         if isinstance(train, Mapping):
             train.setdefault("views", 1)  # before views: one view per image, the same run

@@ -21,8 +21,9 @@ stage3.yaml          ``schema_stage3``                ``Stage3Run`` (``Stage3Sol
                                                       teacher; ``SemiSupervised``)
 eval.yaml, ...       ``schema_eval``,                 ``EvalRun``, ``ExportRun``, ``PredictRun``,
                      ``schema_export``,               ``SplitRun``
-                     ``schema_predict``,
-                     ``schema_split``
+                     ``schema_predict``,              ``RpnProposalsRun``
+                     ``schema_split``,
+                     ``schema_rpn_proposals``
 ===================  ==============================  ==========================================
 
 The refinement method (configs/method/) has no schema here: its keys are its class's keyword arguments
@@ -179,6 +180,7 @@ class TestData:
 @dataclass
 class ToySet:
     image_set: str = MISSING  # trainval | test
+    proposals: Optional[str] = None  # a proposal file or store; null: the set's generated Selective Search
 
 
 @dataclass
@@ -615,6 +617,20 @@ class SplitRun(Entry):
 
 
 @dataclass
+class RpnProposalsRun(Entry):
+    """tools/rpn_proposals.py (configs/rpn_proposals.yaml): a second-stage detector's region proposals."""
+
+    checkpoint: str = MISSING  # required: a second- or third-stage checkpoint (its teacher, for a third)
+    output_dir: Optional[str] = None  # null: <the checkpoint's folder>/rpn_proposals
+    overwrite: bool = False  # stores already there are refused unless true
+    scale: Optional[int] = None  # the one view's shorter side; null: data.test.scales[0] (max: data.test's)
+    pre_nms_top_n: int = 1000  # best anchors per FPN level before NMS (torchvision's test default)
+    post_nms_top_n: int = 1000  # proposals per image after NMS (torchvision's test default)
+    nms_iou: float = 0.7  # the RPN's NMS (torchvision's and detectron2's)
+    data: Any = MISSING
+
+
+@dataclass
 class PredictRun(Entry):
     """tools/predict.py (configs/predict.yaml)."""
 
@@ -647,6 +663,7 @@ SCHEMAS: tuple[tuple[str | None, str, type], ...] = (
     (None, "schema_export", ExportRun),
     (None, "schema_predict", PredictRun),
     (None, "schema_split", SplitRun),
+    (None, "schema_rpn_proposals", RpnProposalsRun),
 )
 
 

@@ -161,7 +161,8 @@ def _toy(data: Settings, progress: bool = False) -> ToyDataset:
 
 
 def _open_toy(data: Settings, source: Settings, /, **options: Any) -> WeakDetectionDataset:
-    return _toy(data).dataset(_setting(source, "image_set", "toy", set_node=True), **options)
+    split = _setting(source, "image_set", "toy", set_node=True)
+    return _toy(data).dataset(split, source.get("proposals"), **options)
 
 
 # -- voc, coco --------------------------------------------------------------------------------------------

@@ -66,9 +66,11 @@ class ToyDataset:
     classes: tuple[str, ...]
     proposal_files: dict[str, Path] = field(default_factory=dict)
 
-    def dataset(self, split: str, **kwargs) -> VOCDataset:
-        """``split`` in trainval / test (train / val use the trainval proposals); kwargs go to VOCDataset."""
-        proposals = self.proposal_files["test" if split == "test" else "trainval"]
+    def dataset(self, split: str, proposals: str | os.PathLike | None = None, **kwargs) -> VOCDataset:
+        """``split`` in trainval / test (train / val use the trainval proposals), with ``proposals`` (a
+        proposal file or store; None: the split's generated Selective Search); kwargs go to VOCDataset."""
+        if proposals is None:
+            proposals = self.proposal_files["test" if split == "test" else "trainval"]
         return VOCDataset(self.devkit, self.year, split, proposals, classes=self.classes, **kwargs)
 
 

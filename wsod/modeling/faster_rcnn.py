@@ -38,6 +38,7 @@ from torchvision.models.detection.anchor_utils import AnchorGenerator
 from torchvision.models.detection.backbone_utils import BackboneWithFPN
 from torchvision.models.detection.faster_rcnn import FastRCNNPredictor, TwoMLPHead
 from torchvision.models.detection.roi_heads import RoIHeads
+from torchvision.models.detection.rpn import concat_box_prediction_layers
 from torchvision.models.detection.transform import GeneralizedRCNNTransform
 
 from wsod.modeling.detector import per_class_nms, postprocess_rois
@@ -170,6 +171,46 @@ class FasterRCNNDetector(nn.Module):
             }
             for out, size, original in zip(outputs, image_sizes, original_sizes, strict=True)
         ]
+
+    @torch.no_grad()
+    def propose(
+        self,
+        images: Tensor,
+        image_sizes: Sequence[tuple[int, int]],
+        original_sizes: Sequence[tuple[int, int]],
+        *,
+        pre_nms_top_n: int,
+        post_nms_top_n: int,
+        nms_iou: float,
+    ) -> list[dict[str, Tensor]]:
+        """The region proposal network's class-agnostic boxes of one view per image: ``boxes`` (P, 4) wsod
+        boxes in original pixels, best first, ``scores`` (P,) their objectness probabilities. torchvision's
+        own steps (``RegionProposalNetwork.forward`` up to ``filter_proposals``, which returns the scores
+        its forward drops): the ``pre_nms_top_n`` best anchors per FPN level, NMS at ``nms_iou`` per
+        level, the ``post_nms_top_n`` best of the image; the RPN's own settings are restored after."""
+        rpn = self.detector.rpn
+        was_training = self.training
+        saved = (dict(rpn._pre_nms_top_n), dict(rpn._post_nms_top_n), rpn.nms_thresh)
+        self.eval()
+        try:
+            rpn._pre_nms_top_n["testing"], rpn._post_nms_top_n["testing"] = pre_nms_top_n, post_nms_top_n
+            rpn.nms_thresh = nms_iou
+            image_list, _ = self.detector.transform(_unpadded(images, image_sizes))
+            features = list(self.detector.backbone(image_list.tensors).values())
+            objectness, deltas = rpn.head(features)
+            anchors = rpn.anchor_generator(image_list, features)
+            per_level = [o[0].numel() for o in objectness]
+            objectness, deltas = concat_box_prediction_layers(objectness, deltas)
+            proposals = rpn.box_coder.decode(deltas, anchors).view(len(anchors), -1, 4)
+            boxes, scores = rpn.filter_proposals(proposals, objectness, image_list.image_sizes, per_level)
+        finally:
+            rpn._pre_nms_top_n, rpn._post_nms_top_n, rpn.nms_thresh = saved
+            self.train(was_training)
+        found = []
+        for box, score, size, original in zip(boxes, scores, image_sizes, original_sizes, strict=True):
+            order = torch.argsort(score, descending=True, stable=True)  # per-level NMS leaves levels apart
+            found.append({"boxes": _to_inclusive(box[order], size, original), "scores": score[order]})
+        return found
 
     def predict_view(
         self, inputs: Mapping[str, Any], flipped: Sequence[bool], settings: DetectionSettings
