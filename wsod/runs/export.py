@@ -31,7 +31,7 @@ from wsod.data.pseudo_boxes import pseudo_boxes_json, write_pseudo_boxes
 from wsod.engine.inference import predict
 from wsod.engine.pseudo_boxes import PseudoBoxRule, pseudo_box_quality, select_pseudo_boxes
 from wsod.evaluation.coco import format_percent
-from wsod.runs.prologue import run_in_directory
+from wsod.runs.prologue import refuse_to_overwrite, run_in_directory
 
 __all__ = ["export_from_config", "PSEUDO_LABELS_FILE", "SUMMARY_FILE"]
 
@@ -51,11 +51,7 @@ def export_from_config(cfg: DictConfig) -> dict[str, Any]:
 
 def _refuse_overwrite(out_dir: Path, cfg: DictConfig) -> str | None:
     target = out_dir / PSEUDO_LABELS_FILE
-    if not target.exists():
-        return None
-    if not cfg.overwrite:
-        raise ConfigError(f"{target} exists: overwrite=true replaces it, another output_dir keeps it")
-    return f"overwrite=true: {target} is replaced"
+    return refuse_to_overwrite([target] if target.exists() else [], cfg.overwrite)
 
 
 def _rule(cfg: DictConfig, classes: list[str]) -> PseudoBoxRule:

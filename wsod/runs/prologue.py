@@ -150,6 +150,21 @@ def run_in_directory(
         return result
 
 
+def refuse_to_overwrite(existing: list[Path], overwrite: bool) -> str | None:
+    """The claim of a tool that writes named files into a folder (the export, the split, the region
+    proposals): None when none of its files is there yet (``existing``: those that are); else refused,
+    naming them, unless ``overwrite``, which returns the line to log."""
+    if not existing:
+        return None
+    if len(existing) == 1:
+        held, them = f"{existing[0]} exists", "it"
+    else:
+        held, them = f"{existing[0].parent} holds {', '.join(p.name for p in existing)}", "them"
+    if not overwrite:
+        raise ConfigError(f"{held}: overwrite=true replaces {them}, another output_dir keeps {them}")
+    return f"overwrite=true: {', '.join(map(str, existing))} replaced"
+
+
 def _lock_and_claim(
     directory: Path,
     cfg: DictConfig,

@@ -29,7 +29,7 @@ from wsod.data.proposals import STORE_SUFFIX, save_proposals
 from wsod.data.proposals.recall import records_recall
 from wsod.engine.rpn_proposals import rpn_proposal_set
 from wsod.modeling.faster_rcnn import ARCHITECTURE
-from wsod.runs.prologue import run_in_directory
+from wsod.runs.prologue import refuse_to_overwrite, run_in_directory
 
 __all__ = ["rpn_proposals_from_config", "SUMMARY_FILE"]
 
@@ -47,14 +47,8 @@ def rpn_proposals_from_config(cfg: DictConfig) -> dict[str, Any]:
 
 
 def _refuse_overwrite(out_dir: Path, cfg: DictConfig) -> str | None:
-    found = sorted(p.name for p in out_dir.glob(f"*{STORE_SUFFIX}")) if out_dir.is_dir() else []
-    if not found:
-        return None
-    if not cfg.overwrite:
-        raise ConfigError(
-            f"{out_dir} holds {', '.join(found)}: overwrite=true replaces them, another output_dir keeps them"
-        )
-    return f"overwrite=true: {', '.join(found)} in {out_dir} are replaced"
+    existing = sorted(out_dir.glob(f"*{STORE_SUFFIX}")) if out_dir.is_dir() else []
+    return refuse_to_overwrite(existing, cfg.overwrite)
 
 
 def _propose_in(out_dir: Path, cfg: DictConfig, device: torch.device) -> dict[str, Any]:

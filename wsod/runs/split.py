@@ -33,7 +33,7 @@ from wsod.engine.loss_split import image_losses, lowest_loss
 from wsod.engine.pseudo_boxes import pseudo_box_quality
 from wsod.evaluation.coco import format_percent
 from wsod.modeling.faster_rcnn import ARCHITECTURE
-from wsod.runs.prologue import run_in_directory
+from wsod.runs.prologue import refuse_to_overwrite, run_in_directory
 
 __all__ = ["split_from_config", "split_scale"]
 
@@ -59,11 +59,7 @@ def split_scale(cfg: DictConfig) -> int:
 
 def _refuse_overwrite(out_dir: Path, cfg: DictConfig) -> str | None:
     target = out_dir / SPLIT_FILE
-    if not target.exists():
-        return None
-    if not cfg.overwrite:
-        raise ConfigError(f"{target} exists: overwrite=true replaces it, another output_dir keeps it")
-    return f"overwrite=true: {target} is replaced"
+    return refuse_to_overwrite([target] if target.exists() else [], cfg.overwrite)
 
 
 def _split_in(out_dir: Path, cfg: DictConfig, device: torch.device) -> dict[str, Any]:
