@@ -20,6 +20,7 @@ from tiny_run import tiny_overrides
 
 from wsod.runs.evaluate import evaluate_from_config
 from wsod.runs.export import export_from_config
+from wsod.runs.rpn_proposals import rpn_proposals_from_config
 from wsod.runs.split import split_from_config
 from wsod.runs.stage2 import train_stage2_from_config
 from wsod.runs.stage3 import train_stage3_from_config
@@ -34,6 +35,7 @@ ENTRY_POINTS: dict[str, tuple[str, Callable[[Any], Any]]] = {
     "tools/eval.py": ("eval", evaluate_from_config),
     "tools/split_pseudo_labels.py": ("split", split_from_config),
     "tools/train_stage3.py": ("stage3", train_stage3_from_config),
+    "tools/rpn_proposals.py": ("rpn_proposals", rpn_proposals_from_config),
 }
 # The smallest second-stage detector: the pipeline's steps and files, not its accuracy, are tested here.
 TINY_DETECTOR = [
@@ -55,10 +57,10 @@ def compose_config(name: str, overrides: list[str]):
         return compose(config_name=name, overrides=overrides)
 
 
-def guide_block(index: int) -> list[str]:
-    """The commands of the guide's ``index``-th toy bash block (comments dropped)."""
-    blocks = re.findall(r"```bash\n(.*?)```", GUIDE.read_text(), flags=re.S)
-    toy = [b for b in blocks if "torchrun" not in b and "voc07" not in b]
+def guide_block(index: int, document: Path = GUIDE) -> list[str]:
+    """The commands of a document's ``index``-th toy bash block (comments dropped; the guide's default)."""
+    blocks = re.findall(r"```bash\n(.*?)```", document.read_text(), flags=re.S)
+    toy = [b for b in blocks if "torchrun" not in b and "voc07" not in b and "tools/" in b]
     return [re.sub(r"\s+#.*$", "", line).strip() for line in toy[index].splitlines() if line.strip()]
 
 

@@ -9,7 +9,7 @@ import json
 import numpy as np
 import pytest
 import torch
-from guide_pipeline import compose_config, short_overrides
+from guide_pipeline import ROOT, compose_config, guide_block, run_commands, short_overrides
 from tiny_run import TINY_TOY, tiny_overrides
 
 from wsod.config_checks import ConfigError
@@ -96,3 +96,25 @@ def test_a_first_stage_checkpoint_has_no_region_proposals_to_give(guide_pipeline
         rpn_proposals_from_config(
             compose_config("rpn_proposals", [*overrides, *short_overrides(tiny_toy_root, "rpn")])
         )
+
+
+def test_the_readmes_iterated_pipeline_runs_word_for_word_with_a_short_schedule(
+    guide_pipeline, tiny_toy_root
+):
+    """The README's block: its first three steps are the guide's (run by the guide pipeline), then the
+    region proposals and the first stage again on them."""
+    readme = ROOT / "README.md"
+    block = next(
+        guide_block(i, readme)
+        for i in range(3)
+        if any("rpn_proposals.py" in c for c in guide_block(i, readme))
+    )
+    assert block[:3] == guide_block(0)[:3]
+    workdir, _ = guide_pipeline
+    proposals, retrained = run_commands(block[3:], tiny_toy_root, workdir)
+    stores = workdir / "runs" / "toy_stage2" / "rpn_proposals"
+    assert {p.name for p in stores.glob("*.proposals")} == {"train_0.proposals", "test.proposals"}
+    assert all(0 < s["boxes_per_image"] <= 100 for s in proposals["sets"].values())
+    assert retrained["iteration"] == 4 and "mAP" in retrained["final"]
+    log = (workdir / "runs" / "toy_stage1_rpn" / "log.txt").read_text()
+    assert "rpn_proposals/train_0.proposals" in log and "rpn_proposals/test.proposals" in log

@@ -11,6 +11,7 @@
     python tools/make_proposals.py convert SelectiveSearchVOC2007trainval.mat voc_2007_trainval.pkl
     python tools/make_proposals.py convert ss_coco_train2017.pkl ss_coco_train2017.proposals  # mmap store
     python tools/make_proposals.py convert sam_boxes.json sam_boxes.proposals   # boxes from any tool
+    python tools/make_proposals.py merge ss_trainval.pkl rpn/train_0.proposals --output union.proposals
 
 ``folder`` makes proposals for every image of ``<root>/labels.csv`` (both splits) and writes them where
 the folder dataset reads them, ``<root>/proposals/selective_search.proposals``: ``--output`` is not needed.
@@ -33,7 +34,13 @@ from pathlib import Path
 from wsod.cli import run_tool
 from wsod.data.coco import load_coco_records
 from wsod.data.folder import load_folder_records, proposals_path
-from wsod.data.proposals import STORE_DTYPES, convert_proposals, load_proposals
+from wsod.data.proposals import (
+    STORE_DTYPES,
+    convert_proposals,
+    load_proposals,
+    save_proposals,
+    union_proposals,
+)
 from wsod.data.proposals.recall import format_recall_table, plot_recall, records_recall
 from wsod.data.proposals.selective_search import MODES, generate_proposals
 from wsod.data.toy import ensure_toy_dataset
@@ -102,6 +109,12 @@ def _parser() -> argparse.ArgumentParser:
         default="float32",
         help="box dtype of a .proposals destination (float16: half the size, see wsod.data.proposals.store)",
     )
+    merge = commands.add_parser("merge", help="the union of proposal files, image by image")
+    merge.add_argument("sources", type=Path, nargs="+", help="proposal files (any format convert reads)")
+    merge.add_argument("--output", type=Path, required=True, help="the union: a .pkl, .mat or .proposals")
+    merge.add_argument(
+        "--dtype", choices=STORE_DTYPES, default="float32", help="box dtype of a .proposals output"
+    )
     return parser
 
 
@@ -133,6 +146,13 @@ def main(argv: list[str] | None = None) -> int:
             f"converted {len(proposals)} images ({proposals.num_boxes} boxes):"
             f" {args.source} -> {args.destination}"
         )
+        return 0
+    if args.command == "merge":
+        union = union_proposals([load_proposals(source) for source in args.sources])
+        save_proposals(union, args.output, dtype=args.dtype)
+        kept = "with" if union.scores(union.image_ids[0]) is not None else "without"
+        summary = f"{len(union)} images, {union.num_boxes} boxes ({kept} scores)"
+        print(f"merged {len(args.sources)} files: {summary} -> {args.output}")
         return 0
     if args.command == "folder" and args.output is None and args.proposals is None:
         args.output = proposals_path(args.root)  # where the folder dataset reads them

@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 import torch
 
-from wsod.data.proposals import filter_proposals, load_proposals, save_proposals
+from wsod.data.proposals import ProposalSet, filter_proposals, load_proposals, save_proposals, union_proposals
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -193,3 +193,33 @@ def test_make_proposals_converts_a_json_of_boxes_to_a_store(tmp_path):
     )  # fmt: skip
     assert result.returncode == 0, result.stderr
     np.testing.assert_allclose(load_proposals(destination).scores(5), [0.9])
+
+
+def test_the_union_of_proposal_sets_joins_each_images_boxes_in_order(tmp_path):
+    first = ProposalSet(["000005", 7], [np.ones((2, 4)), np.zeros((1, 4))], [np.zeros(2), np.zeros(1)])
+    second = ProposalSet([5, 9], [np.full((1, 4), 2.0), np.full((3, 4), 3.0)], [np.ones(1), np.ones(3)])
+    union = union_proposals([first, second])
+    assert union.image_ids == ["000005", 7, 9]  # the first set's names, then the new images
+    np.testing.assert_array_equal(union[5], [[1, 1, 1, 1], [1, 1, 1, 1], [2, 2, 2, 2]])
+    assert union.scores(5) is None  # the first set's all-zero scores are the pickle writer's placeholder
+    scored = union_proposals([second, ProposalSet([5], [np.zeros((1, 4))], [np.full(1, 0.5)])])
+    np.testing.assert_array_equal(scored.scores(5), [1.0, 0.5])
+    sized = ProposalSet([5], [np.zeros((1, 4))], image_sizes=[(10, 20)], source="b.pkl")
+    with pytest.raises(
+        ValueError, match=r"image 5 is \(10, 30\) in one proposal set and \(10, 20\) in b.pkl"
+    ):
+        union_proposals([ProposalSet([5], [np.zeros((1, 4))], image_sizes=[(10, 30)]), sized])
+    save_proposals(first, tmp_path / "a.pkl")
+    save_proposals(second, tmp_path / "b.proposals")
+    sources = [str(tmp_path / "a.pkl"), str(tmp_path / "b.proposals")]
+    command = [
+        sys.executable,
+        "tools/make_proposals.py",
+        "merge",
+        *sources,
+        "--output",
+        str(tmp_path / "u.proposals"),
+    ]
+    result = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr
+    assert load_proposals(tmp_path / "u.proposals").num_boxes == 7

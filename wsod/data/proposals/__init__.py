@@ -38,6 +38,7 @@ from wsod.data.proposals.sets import (
     ProposalSizeError,
     filter_proposals,
     proposal_key,
+    union_proposals,
     whole_image_box,
 )
 from wsod.data.proposals.store import (
@@ -56,6 +57,7 @@ __all__ = [
     "ProposalSet",
     "proposal_key",
     "filter_proposals",
+    "union_proposals",
     "whole_image_box",
     "load_proposals",
     "save_proposals",

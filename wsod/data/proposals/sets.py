@@ -32,6 +32,7 @@ __all__ = [
     "ProposalSet",
     "proposal_key",
     "filter_proposals",
+    "union_proposals",
     "whole_image_box",
 ]
 
@@ -178,7 +179,7 @@ class ProposalSet:
     Args:
         image_ids: N image ids, in file order.
         boxes: N float arrays (R_i, 4), 0-based inclusive ``x1 y1 x2 y2``.
-        scores: optional N arrays (R_i,); kept for round trips, unused by training.
+        scores: optional N arrays (R_i,): ``filter_proposals``'s cap keeps the best-scored boxes.
         image_sizes: optional (H, W) of the image each image's proposals were made on: N pairs (None
             for an unknown one) or an (N, 2) integer array ((0, 0) for an unknown one); see the module
             docstring.
@@ -402,3 +403,39 @@ def whole_image_box(image_size: tuple[int, int]) -> Tensor:
     """The box (1, 4) covering the whole image: the stand-in for an image left without proposals."""
     height, width = image_size
     return torch.tensor([[0.0, 0.0, width - 1.0, height - 1.0]])
+
+
+def union_proposals(sets: Sequence[ProposalSet]) -> ProposalSet:
+    """The union of proposal sets, image by image (matched by ``proposal_key``, so ``"000005"`` and ``5``
+    are one image, named as the first set names it): each image's boxes of every set, in the sets' order.
+    Scores are kept only when every set has them (a set without scores, or with the all-zero ones the
+    pickle writer puts in their place, would have none to rank by); a size recorded by two sets must
+    agree. Images in only some of the sets keep the boxes they have."""
+    if not sets:
+        raise ValueError("union_proposals needs at least one proposal set")
+    names: dict[ImageId, ImageId] = {}
+    boxes: dict[ImageId, list[np.ndarray]] = {}
+    scores: dict[ImageId, list[np.ndarray]] = {}
+    sizes: dict[ImageId, tuple[int, int]] = {}
+    scored = all(s._scores is not None and bool(np.any(np.asarray(s._scores) != 0)) for s in sets)
+    for proposals in sets:
+        for image_id, image_boxes in proposals.items():
+            key = proposal_key(image_id)
+            names.setdefault(key, image_id)
+            boxes.setdefault(key, []).append(np.asarray(image_boxes, dtype=np.float32))
+            if scored:
+                scores.setdefault(key, []).append(np.asarray(proposals.scores(image_id), dtype=np.float32))
+            size = proposals.image_size(image_id)
+            if size is not None and sizes.setdefault(key, size) != size:
+                raise ValueError(
+                    f"image {image_id!r} is {sizes[key]} in one proposal set and {size} in"
+                    f" {proposals.source}: they were made on different images"
+                )
+    keys = list(names)
+    return ProposalSet(
+        [names[k] for k in keys],
+        [np.concatenate(boxes[k]) for k in keys],
+        [np.concatenate(scores[k]) for k in keys] if scored else None,
+        image_sizes=[sizes.get(k) for k in keys],
+        source=" + ".join(s.source for s in sets),
+    )
