@@ -20,6 +20,7 @@ from wsod.engine.checkpoint import UntrustedCheckpointError, latest_valid_checkp
 from wsod.runs.evaluate import evaluate_from_config
 from wsod.runs.export import export_from_config
 from wsod.runs.predict import predict_from_config
+from wsod.runs.rpn_proposals import rpn_proposals_from_config
 from wsod.runs.split import split_from_config
 from wsod.runs.stage2 import train_stage2_from_config
 from wsod.runs.stage3 import train_stage3_from_config
@@ -104,6 +105,12 @@ def _commands(root: Path, tmp: Path, hostile: Path):
             split_from_config,
             "split",
             [f"checkpoint={hostile}", f"pseudo_labels={pseudo}", "k=1", f"output_dir={tmp / 'split'}", *data],
+        ),
+        (
+            "tools/rpn_proposals.py",
+            rpn_proposals_from_config,
+            "rpn_proposals",
+            [f"checkpoint={hostile}", f"output_dir={tmp / 'rpn'}", *data],
         ),
         (
             "tools/train_stage3.py initial_weights=",
