@@ -94,6 +94,7 @@ def test_cuda_budget_passes_an_integer_device_index(monkeypatch):
     assert all(type(device) is int for _, device in calls)
 
 
+@pytest.mark.slow  # 20 s: the default suite stays within its 10 minutes (the tool's own test runs in it)
 def test_variant_flags_measure_each_variant_against_the_plain_step(tmp_path, capsys):
     out = tmp_path / "bench"
     _load_tool().main(
