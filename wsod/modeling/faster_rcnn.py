@@ -107,8 +107,8 @@ class FasterRCNNDetector(nn.Module):
         }
 
     def teacher_inputs(self, inputs: Mapping[str, Any]) -> dict[str, Any]:
-        """As a teacher: nothing yet (its student reads no teacher output; a third stage gives its
-        detections here)."""
+        """As a teacher: nothing (a second-stage student reads no teacher output; the third stage's
+        ``SemiSupervisedFasterRCNN`` gives its detections here)."""
         return {}
 
     def forward(
@@ -129,23 +129,67 @@ class FasterRCNNDetector(nn.Module):
         pixels and ``box_labels`` (G,) in 0..C-1. ``proposals`` and ``image_labels`` are not used; each
         of ``views`` views is an image of its own; ``progress`` is not used either (its losses follow no
         schedule). ``keep``: torchvision's heads expose no ROI features, so only ``()`` is accepted."""
-        if check_keep(keep):
-            raise ValueError(f"FasterRCNNDetector keeps nothing besides its losses, asked for {sorted(keep)}")
-        if not self.training:
-            raise RuntimeError("FasterRCNNDetector.forward computes training losses; predict_view predicts")
-        if targets is None or image_sizes is None or original_sizes is None:
-            raise ValueError("FasterRCNNDetector.forward needs image_sizes, original_sizes and targets")
+        self._check_training_call(keep, targets, image_sizes, original_sizes)
         missing = [i for i, t in enumerate(targets) if "boxes" not in t or "box_labels" not in t]
         if missing:
             raise ValueError(
                 f"images {missing} of the batch have no boxes/box_labels targets: the second stage trains"
                 " on the pseudo boxes of tools/export_pseudo_labels.py (pseudo_labels=...)"
             )
-        torchvision_targets = [
-            {"boxes": _to_continuous(t["boxes"], size, original), "labels": t["box_labels"].long() + 1}
-            for t, size, original in zip(targets, image_sizes, original_sizes, strict=True)
+        rows = range(len(targets))
+        return TrainingOutput(
+            self._losses(
+                images,
+                image_sizes,
+                self._torchvision_targets(targets, image_sizes, original_sizes, rows),
+                rows,
+            )
+        )
+
+    def _check_training_call(
+        self,
+        keep: Collection[str],
+        targets: Sequence[dict[str, Tensor]] | None,
+        image_sizes: Sequence[tuple[int, int]] | None,
+        original_sizes: Sequence[tuple[int, int]] | None,
+    ) -> None:
+        """What every training forward of this detector refuses: a ``keep`` (torchvision's heads expose
+        no ROI features), eval mode, a batch without sizes or targets."""
+        name = type(self).__name__
+        if check_keep(keep):
+            raise ValueError(f"{name} keeps nothing besides its losses, asked for {sorted(keep)}")
+        if not self.training:
+            raise RuntimeError(f"{name}.forward computes training losses; predict_view predicts")
+        if targets is None or image_sizes is None or original_sizes is None:
+            raise ValueError(f"{name}.forward needs image_sizes, original_sizes and targets")
+
+    @staticmethod
+    def _torchvision_targets(
+        targets: Sequence[dict[str, Tensor]],
+        image_sizes: Sequence[tuple[int, int]],
+        original_sizes: Sequence[tuple[int, int]],
+        rows: Sequence[int],
+    ) -> list[dict[str, Tensor]]:
+        """The wsod targets of batch ``rows`` (``boxes`` in resized pixels, ``box_labels`` 0..C-1) as
+        torchvision's (continuous boxes, labels 1..C)."""
+        return [
+            {
+                "boxes": _to_continuous(targets[r]["boxes"], image_sizes[r], original_sizes[r]),
+                "labels": targets[r]["box_labels"].long() + 1,
+            }
+            for r in rows
         ]
-        return TrainingOutput(self.detector(_unpadded(images, image_sizes), torchvision_targets))
+
+    def _losses(
+        self,
+        images: Tensor,
+        image_sizes: Sequence[tuple[int, int]],
+        targets: Sequence[dict[str, Tensor]],
+        rows: Sequence[int],
+    ) -> dict[str, Tensor]:
+        """torchvision's four training losses on batch ``rows`` with their torchvision ``targets``."""
+        unpadded = [images[r, :, : image_sizes[r][0], : image_sizes[r][1]] for r in rows]  # views, no copy
+        return self.detector(unpadded, list(targets))
 
     @torch.no_grad()
     def detect(

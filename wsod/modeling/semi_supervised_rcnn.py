@@ -35,10 +35,10 @@ import torch
 from torch import Tensor
 from torchvision.models.detection import FasterRCNN
 
-from wsod.modeling.faster_rcnn import FasterRCNNDetector, _to_continuous, _unpadded
+from wsod.modeling.faster_rcnn import FasterRCNNDetector
 from wsod.modeling.focal_roi_heads import FocalRoIHeads
 from wsod.modeling.method import TrainingProgress
-from wsod.modeling.protocol import TrainingOutput, check_keep
+from wsod.modeling.protocol import TrainingOutput
 
 __all__ = ["SemiSupervisedFasterRCNN", "UNLABELLED_SUFFIX", "teacher_targets"]
 
@@ -136,7 +136,9 @@ class SemiSupervisedFasterRCNN(FasterRCNNDetector):
         if not weak:
             return {}
         sizes = [inputs["image_sizes"][r] for r in weak]
-        detections = self.detector(_unpadded(inputs["images"][weak], sizes))
+        detections = self.detector(
+            [inputs["images"][r, :, :h, :w] for r, (h, w) in zip(weak, sizes, strict=True)]
+        )
         image_labels = torch.stack([inputs["targets"][r]["labels"] for r in weak])  # (U, C) multi-hot
         found = teacher_targets(
             detections, image_labels, score_threshold=self.score_threshold,
@@ -161,29 +163,12 @@ class SemiSupervisedFasterRCNN(FasterRCNNDetector):
         """The student's losses (``loss_names``) on a batch of weak/strong pairs (the module docstring):
         inputs as ``FasterRCNNDetector.forward``'s, plus ``teacher_targets``, one per unlabelled image in
         batch order (the teacher's ``teacher_inputs``)."""
-        if check_keep(keep):
-            raise ValueError(
-                f"{type(self).__name__} keeps nothing besides its losses, asked for {sorted(keep)}"
-            )
-        if not self.training:
-            raise RuntimeError(
-                f"{type(self).__name__}.forward computes training losses; predict_view predicts"
-            )
-        if targets is None or image_sizes is None or original_sizes is None:
-            raise ValueError(f"{type(self).__name__}.forward needs image_sizes, original_sizes and targets")
+        self._check_training_call(keep, targets, image_sizes, original_sizes)
         labelled, _, strong = self._rows(targets, views)
-        zero = images.new_zeros(())
-        losses = dict.fromkeys(self.loss_names, zero)
+        losses = dict.fromkeys(self.loss_names, images.new_zeros(()))
         if labelled:
-            supervised = [
-                {
-                    "boxes": _to_continuous(targets[r]["boxes"], image_sizes[r], original_sizes[r]),
-                    "labels": targets[r]["box_labels"].long() + 1,
-                }
-                for r in labelled
-            ]
-            sizes = [image_sizes[r] for r in labelled]
-            losses.update(self.detector(_unpadded(images[labelled], sizes), supervised))
+            supervised = self._torchvision_targets(targets, image_sizes, original_sizes, labelled)
+            losses.update(self._losses(images, image_sizes, supervised, labelled))
         if strong:
             if teacher_targets is None or len(teacher_targets) != len(strong):
                 given = "none" if teacher_targets is None else len(teacher_targets)
@@ -191,8 +176,7 @@ class SemiSupervisedFasterRCNN(FasterRCNNDetector):
                     f"{len(strong)} unlabelled images need the teacher's boxes (teacher_targets: {given});"
                     " the third stage trains with its EMA teacher (solver.ema.enabled)"
                 )
-            sizes = [image_sizes[r] for r in strong]
-            found = self.detector(_unpadded(images[strong], sizes), [dict(t) for t in teacher_targets])
+            found = self._losses(images, image_sizes, [dict(t) for t in teacher_targets], strong)
             for name, weight in self.unlabelled_weights.items():
                 if weight:
                     losses[f"{name}{UNLABELLED_SUFFIX}"] = weight * found[name]
