@@ -82,7 +82,8 @@ def _split_in(out_dir: Path, cfg: DictConfig, device: torch.device) -> dict[str,
             f"{cfg.checkpoint} was trained on classes {classes}, data.train holds {list(dataset.classes)}:"
             " split with the data config of the second stage"
         )
-    records = [r for d in getattr(dataset, "datasets", [dataset]) for r in d.records]
+    sets = getattr(dataset, "datasets", [dataset])
+    records = [r for d in sets for r in d.records]
     if not 1 <= cfg.k <= len(records):
         raise ConfigError(
             f"k={cfg.k}: the pseudo-label json holds {len(records)} training images; give k in"
@@ -112,8 +113,9 @@ def _split_in(out_dir: Path, cfg: DictConfig, device: torch.device) -> dict[str,
         "positive_fraction": float(cfg.positive_fraction),
     }
     summary: dict[str, Any] = {"images": len(records), "labelled": int(cfg.k), "per_class": per_class}
-    if all(d.has_ground_truth for d in getattr(dataset, "datasets", [dataset])):
-        summary["quality"] = _quality(records, labelled, len(classes))
+    if all(d.has_ground_truth for d in sets):
+        truth = [t for d in sets for t in d.ground_truth()]
+        summary["quality"] = _quality(records, truth, labelled, len(classes))
     content = split_json(
         [r.image_id for r in records], relative_file_names(records), [s.losses for s in scores],
         labelled, per_class, info, summary.get("quality"),
@@ -139,24 +141,18 @@ def _pseudo(record) -> dict[str, torch.Tensor]:
     return {"boxes": boxes, "labels": labels, "scores": torch.ones(len(labels))}
 
 
-def _quality(records: list, labelled: list[bool], num_classes: int) -> dict[str, dict[str, float]]:
-    """Precision and recall at IoU 0.5 of the labelled and of the unlabelled images' pseudo boxes."""
+def _quality(
+    records: list, truth: list[dict[str, torch.Tensor]], labelled: list[bool], num_classes: int
+) -> dict[str, dict[str, float]]:
+    """Precision and recall at IoU 0.5 of the labelled and of the unlabelled images' pseudo boxes against
+    ``truth`` (the datasets' ``ground_truth()``, in ``records``' order)."""
     out = {}
     for part, wanted in (("labelled", True), ("unlabelled", False)):
-        mine = [r for r, flag in zip(records, labelled, strict=True) if flag == wanted]
+        mine = [i for i, flag in enumerate(labelled) if flag == wanted]
         if not mine:
             continue
-        truth = [
-            {
-                "boxes": torch.as_tensor(r.gt_boxes, dtype=torch.float32).reshape(-1, 4),
-                "labels": torch.as_tensor(r.gt_labels, dtype=torch.int64),
-                "difficult": torch.as_tensor(r.gt_difficult, dtype=torch.bool)
-                if r.gt_difficult is not None
-                else torch.zeros(len(r.gt_labels), dtype=torch.bool),
-            }
-            for r in mine
-        ]
-        quality = pseudo_box_quality([_pseudo(r) for r in mine], truth, num_classes)
+        pseudo = [_pseudo(records[i]) for i in mine]
+        quality = pseudo_box_quality(pseudo, [truth[i] for i in mine], num_classes)
         out[part] = {"images": len(mine), "precision": quality["precision"], "recall": quality["recall"]}
     return out
 

@@ -52,7 +52,7 @@ def read_box_json(path: str | os.PathLike) -> ProposalSet:
         raise ValueError(f"{path}: the json is {_a(content)}; expected {BOX_JSON_LAYOUT}")
     boxes: dict[ImageId, list[list[float]]] = {}
     scores: dict[ImageId, list[float]] = {}
-    scored_at: int | None = None  # the first entry with a score, or the first without (its negative - 1)
+    scored = None  # whether entry 0 has a score: every other entry must agree
     for n, entry in enumerate(entries):
         if not isinstance(entry, dict) or "image_id" not in entry or "bbox" not in entry:
             raise ValueError(
@@ -67,12 +67,10 @@ def read_box_json(path: str | os.PathLike) -> ProposalSet:
                 f"{where}: bbox is {bbox!r}; expected [x, y, w, h], four finite numbers, w and h >= 0"
             )
         has_score = "score" in entry
-        if scored_at is None:
-            scored_at = n if has_score else -n - 1
-        elif has_score != (scored_at >= 0):
-            first = scored_at if scored_at >= 0 else -scored_at - 1
+        scored = has_score if scored is None else scored
+        if has_score != scored:
             mine, theirs = ("has a", "has none") if has_score else ("has no", "has one")
-            raise ValueError(f"{where} {mine} score, entry {first} {theirs}: give every box a score, or none")
+            raise ValueError(f"{where} {mine} score, entry 0 {theirs}: give every box a score, or none")
         if has_score and not _number(entry["score"]):
             raise ValueError(f"{where}: score is {entry['score']!r}; expected a finite number")
         boxes.setdefault(image_id, []).append(bbox)
