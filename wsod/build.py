@@ -408,27 +408,24 @@ def build_stage3_train_datasets(
             f"split file {split}: {len(missing)} images of {pseudo_labels} are not in it (the first:"
             f" {missing[0]!r}); make the split from this pseudo-label json (tools/split_pseudo_labels.py)"
         )
-    parts = []
-    for wanted in (True, False):
-        part = []
+    parts = {}
+    for kind, wanted in (("labelled", True), ("unlabelled", False)):
+        subsets = []
         for d in sets:
-            subset = copy.copy(d)
+            subset = copy.copy(d)  # the same images, proposals and transform; its own records
             subset.records = [
-                r if wanted else replace(r, supervision=None)
+                r if wanted else replace(r, supervision=None)  # unlabelled: the image labels alone
                 for r in d.records
                 if labelled_of[r.image_id] == wanted
             ]
-            if subset.records:
-                part.append(subset)
-        parts.append(part[0] if len(part) == 1 else ConcatWeakDataset(part) if part else None)
-    labelled, unlabelled = parts
-    if labelled is None or unlabelled is None:
-        kind = "labelled" if labelled is None else "unlabelled"
-        raise ValueError(
-            f"split file {split}: no {kind} image among the {len(labelled_of)}; the third stage trains on"
-            " both (give tools/split_pseudo_labels.py a k between 1 and the images - 1)"
-        )
-    return labelled, unlabelled
+            subsets += [subset] if subset.records else []
+        if not subsets:
+            raise ValueError(
+                f"split file {split}: no {kind} image among the {len(labelled_of)}; the third stage trains"
+                " on both (give tools/split_pseudo_labels.py a k between 1 and the images - 1)"
+            )
+        parts[kind] = subsets[0] if len(subsets) == 1 else ConcatWeakDataset(subsets)
+    return parts["labelled"], parts["unlabelled"]
 
 
 def build_test_dataset(data_cfg: DictConfig) -> WeakDetectionDataset:
