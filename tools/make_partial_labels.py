@@ -53,7 +53,7 @@ from wsod.data.partial_label_simulation import (
     simulate_partial_label,
 )
 from wsod.data.partial_labels import write_partial_labels_file
-from wsod.data.toy import ensure_toy_dataset, toy_object_masks
+from wsod.data.toy import OBJECT_SIZE, ensure_toy_dataset, toy_object_masks
 from wsod.data.voc import VOC_CLASSES, load_voc_records
 
 # (image id, file path, [(class name, SimulatedObject)]) per image.
@@ -64,10 +64,19 @@ COCO_EXPECTED = "a COCO instances json with 'images', 'categories' and 'annotati
 OPTIONS = {"point": "--points", "scribble": "--scribbles", "box": "--boxes"}
 
 
-def _voc_images(devkit: Path, year: str, image_set: str, classes, toy_seed: int | None = None) -> list[Image]:
+def _voc_images(
+    devkit: Path,
+    year: str,
+    image_set: str,
+    classes,
+    toy_seed: int | None = None,
+    toy_object_size: tuple[int, int] = OBJECT_SIZE,
+) -> list[Image]:
     images = []
     for record in load_voc_records(devkit, year, image_set, classes):
-        masks = toy_object_masks(toy_seed, int(record.image_id)) if toy_seed is not None else None
+        masks = None
+        if toy_seed is not None:  # the toy's objects drawn again, as the set was made
+            masks = toy_object_masks(toy_seed, int(record.image_id), object_size=toy_object_size)
         objects = []
         for j, (box, label, difficult) in enumerate(
             zip(record.gt_boxes, record.gt_labels, record.gt_difficult, strict=True)
@@ -237,11 +246,12 @@ def main(argv: list[str] | None = None) -> int:
         root = _toy_root(toy, args.root)
         manifest = root / "toy.json"  # a toy set made before: its own sizes and seed
         made = read_json(manifest, "a toy set's manifest") if manifest.is_file() else {}
-        sizes = {key: made[key] for key in ("num_train", "num_test", "seed") if key in made}
+        sizes = {key: made[key] for key in ("num_train", "num_test", "seed", "object_size") if key in made}
         dataset = ensure_toy_dataset(root, progress=not manifest.is_file(), **sizes)
         images = _voc_images(
-            dataset.devkit, dataset.year, args.image_set, dataset.classes, sizes.get("seed", 0)
-        )
+            dataset.devkit, dataset.year, args.image_set, dataset.classes, sizes.get("seed", 0),
+            sizes.get("object_size", OBJECT_SIZE),
+        )  # fmt: skip
     elif args.command == "voc":
         images = _voc_images(args.devkit, str(args.year), args.image_set, VOC_CLASSES)
     else:

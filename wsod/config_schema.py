@@ -208,6 +208,9 @@ class ToyData:
     root: str = "data/toy"
     num_train: int = 600  # images of the trainval split (smaller sets are for tests)
     num_test: int = 200
+    # [min, max] side of the drawn objects in pixels: 30-60, the default set; 25-70, the part-prone set
+    # (configs/data/toy_parts.yaml). Why: wsod/data/toy.py, OBJECT_SIZE.
+    object_size: list[int] = field(default_factory=lambda: [30, 60])
     train: ToyTrainData = field(default_factory=ToyTrainData)
     test: ToyTestData = field(default_factory=ToyTestData)
 

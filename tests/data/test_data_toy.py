@@ -10,13 +10,26 @@ import signal
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import numpy as np
 import pytest
+from hydra import compose, initialize_config_dir
 
 from wsod.data.proposals.recall import records_recall
-from wsod.data.toy import OBJECT_SIZE, TOY_CLASSES, ensure_toy_dataset, render_toy_image
+from wsod.data.toy import (
+    OBJECT_SIZE,
+    PART_PRONE_OBJECT_SIZE,
+    TOY_CLASSES,
+    ensure_toy_dataset,
+    render_toy_image,
+)
 from wsod.data.voc import load_voc_records
+
+ROOT = Path(__file__).resolve().parents[2]
+# Image 3 of seed 0 as the toy set drew it with objects of 25-70 px (wsod 0.1.0 before object_size).
+PART_PRONE_IMAGE_3_BOXES = np.array([[22.0, 13.0, 60.0, 61.0]], np.float32)
+PART_PRONE_IMAGE_3_LABELS = np.array([0])
 
 
 def test_layout_and_files_read_back(tiny_toy):
@@ -78,6 +91,42 @@ def test_existing_dataset_is_reused_and_other_settings_refused(tiny_toy):
     with pytest.raises(ValueError, match="holds a toy dataset made with"):
         ensure_toy_dataset(tiny_toy.root, num_train=11, num_test=6)
     assert json.loads((tiny_toy.root / "toy.json").read_text())["num_train"] == 10
+
+
+def test_object_size_is_part_of_the_set_and_another_is_refused(tiny_toy):
+    assert json.loads((tiny_toy.root / "toy.json").read_text())["object_size"] == list(OBJECT_SIZE)
+    with pytest.raises(ValueError, match="holds a toy dataset made with"):
+        ensure_toy_dataset(tiny_toy.root, num_train=10, num_test=6, object_size=PART_PRONE_OBJECT_SIZE)
+    with pytest.raises(ValueError, match="object_size"):
+        ensure_toy_dataset(tiny_toy.root, num_train=10, num_test=6, object_size=(40, 30))
+
+
+def _sides(object_size, images: int = 150) -> np.ndarray:
+    boxes = [render_toy_image(0, n, object_size=object_size)[1] for n in range(images)]
+    boxes = np.concatenate(boxes)
+    return np.concatenate([boxes[:, 2] - boxes[:, 0] + 1, boxes[:, 3] - boxes[:, 1] + 1])
+
+
+@pytest.mark.parametrize("config", ["toy", "toy_parts"])
+def test_every_whole_object_box_is_a_candidate_at_the_configs_minimum_proposal_size(config):
+    """The toy configs drop proposals narrower than data.*.min_proposal_size: never a whole object's box
+    (its tight box is at least that wide and tall), whatever its object sizes."""
+    with initialize_config_dir(config_dir=str(ROOT / "configs"), version_base="1.3"):
+        cfg = compose(config_name="train", overrides=[f"data={config}"])
+    sides = _sides(tuple(cfg.data.object_size))
+    assert cfg.data.train.min_proposal_size == cfg.data.test.min_proposal_size
+    assert sides.min() >= cfg.data.train.min_proposal_size
+    low, high = cfg.data.object_size
+    assert low - 2 <= sides.min() and sides.max() <= high + 2  # the sizes asked for
+    assert high <= 2.2 * cfg.data.train.min_proposal_size or config == "toy_parts"
+
+
+def test_the_part_prone_set_draws_the_images_it_drew_before_object_size_was_a_setting():
+    """data=toy_parts is the toy set of the measurements before the fix (docs/RESULTS.md): image 3 of
+    seed 0 with objects of 25-70 px, as it was drawn then (its boxes, in the 0-based inclusive frame)."""
+    _, boxes, labels = render_toy_image(0, 3, object_size=PART_PRONE_OBJECT_SIZE)
+    np.testing.assert_array_equal(boxes, PART_PRONE_IMAGE_3_BOXES)
+    np.testing.assert_array_equal(labels, PART_PRONE_IMAGE_3_LABELS)
 
 
 def test_selective_search_recalls_the_toy_objects(tiny_toy):

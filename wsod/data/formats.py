@@ -156,6 +156,7 @@ def _toy(data: Settings, progress: bool = False) -> ToyDataset:
         _setting(data, "root", "toy"),
         num_train=_setting(data, "num_train", "toy"),
         num_test=_setting(data, "num_test", "toy"),
+        object_size=tuple(_setting(data, "object_size", "toy")),
         progress=progress,
     )
 
