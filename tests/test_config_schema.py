@@ -34,9 +34,13 @@ def _options(group: str) -> list[Path]:
 
 
 def _base_defaults(group: str, option: Path) -> tuple[str, dict[str, Any]]:
-    """The base an option file extends (the first entry of its defaults list) and that schema's defaults."""
+    """The base an option file extends (the first entry of its defaults list) and that schema's defaults;
+    or, for an option that extends another option of its group (data=toy_parts extends toy), that
+    option's resolved values."""
     text = yaml.safe_load(option.read_text())
     base = text["defaults"][0]
+    if (CONFIGS / group / f"{base}.yaml").is_file():
+        return base, OmegaConf.to_container(_compose("train", [f"{group}={base}"])[group], enum_to_str=True)
     (schema,) = [s for g, n, s in SCHEMAS if g == group and n == base]
     return base, OmegaConf.to_container(OmegaConf.structured(schema), enum_to_str=True)
 
