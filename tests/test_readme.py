@@ -236,5 +236,8 @@ def test_the_quick_start_trains_and_evaluates_word_for_word(tmp_path):
     )
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     assert "copypaste: mAP(voc07,iou=0.5)=" in result.stdout
+    lines = result.stdout.splitlines()
+    at = next(i for i, line in enumerate(lines) if line.startswith("copypaste:"))
+    assert lines[at + 1].startswith("quick start: the default toy run lands at mAP")  # in or out: it says
     (run_dir,) = (tmp_path / "runs").iterdir()
     assert (run_dir / "model_final.pth").is_file() and (run_dir / "eval" / "metrics.json").is_file()

@@ -16,6 +16,7 @@ import logging
 import shlex
 import sys
 from collections.abc import Callable, Iterator, Sequence
+from dataclasses import replace
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -56,6 +57,7 @@ from wsod.engine.run_log import RunLog
 from wsod.engine.train import train
 from wsod.modeling.faster_rcnn import ARCHITECTURE as FASTER_RCNN_ARCHITECTURE
 from wsod.runs.prologue import in_multirun, run_in_directory
+from wsod.runs.quick_start import is_quick_start, quick_start_sentence
 
 __all__ = [
     "train_from_config",
@@ -64,6 +66,7 @@ __all__ = [
     "begin_training_run",
     "train_and_evaluate",
     "FinalEvaluationError",
+    "insert_after_copypaste",
     "RUN_FILES",
 ]
 
@@ -161,7 +164,16 @@ def _train_in(run_dir: Path, cfg: DictConfig, device: torch.device) -> dict[str,
         evaluator=evaluator, metadata=metadata, resume_from=resume_from, resumed_at=resumed_at,
         companions=companions,
         preview=build_pseudo_label_preview(cfg, train_set, device) if main else None,  # main process only
+        after_copypaste=_quick_start_note(),
     )  # fmt: skip
+
+
+def _quick_start_note() -> Callable[[dict[str, float]], str] | None:
+    """The quick start's sentence after the final ``copypaste:`` line (``wsod.runs.quick_start``), for a
+    tools/train.py command that runs the default recipe; None for any other command (or outside Hydra)."""
+    if not HydraConfig.initialized() or not is_quick_start(HydraConfig.get().overrides.task):
+        return None
+    return lambda metrics: quick_start_sentence(100 * metrics["mAP"])
 
 
 def begin_training_run(
@@ -262,12 +274,15 @@ def train_and_evaluate(
     companions: Sequence[Companion] = (),
     preview: PseudoLabelPreview | None = None,
     make_batches: Callable[[int], Iterator[dict[str, Any]]] | None = None,
+    after_copypaste: Callable[[dict[str, float]], str] | None = None,
 ) -> dict[str, Any]:
     """The rest of a training entry point, once its model and data exist: DDP under torchrun, the
     loader, the checkpointer (``metadata`` in every file), the loop (``wsod.engine.train``), the final
     evaluation written to ``eval/`` and offered as the best. Returns the loop's summary with ``best``
     and ``final`` (the final metrics). ``make_batches``: the loop's batch stream (``start`` -> batches
-    from the ``start``-th on); None: ``train_set``'s loader (``build_loader``), endless."""
+    from the ``start``-th on); None: ``train_set``'s loader (``build_loader``), endless.
+    ``after_copypaste``: final metrics -> a sentence the final report holds after its ``copypaste:``
+    line (the quick start's range)."""
     main = is_main_process()
     wrapped = model
     if get_world_size() > 1:
@@ -291,6 +306,10 @@ def train_and_evaluate(
         final = _final_evaluation(
             evaluation_model(model, companions), evaluator, run_dir, cfg.random_baseline
         )
+        if after_copypaste is not None and main:
+            final = replace(
+                final, report=insert_after_copypaste(final.report, after_copypaste(final.metrics))
+            )
         write_evaluation(final, evaluator.dataset, run_dir / "eval")
         run_log.evaluation(summary["iteration"], final)
     metric = evaluator.primary_metric
@@ -298,6 +317,13 @@ def train_and_evaluate(
     summary["best"] = checkpointer.best
     summary["final"] = {**final.metrics, **final.extra}
     return summary
+
+
+def insert_after_copypaste(report: str, sentence: str) -> str:
+    """``report`` with ``sentence`` as the line after its ``copypaste:`` line (at the end if it has none)."""
+    lines = report.split("\n")
+    at = next((i + 1 for i, line in enumerate(lines) if line.startswith("copypaste:")), len(lines))
+    return "\n".join([*lines[:at], sentence, *lines[at:]])
 
 
 class FinalEvaluationError(RuntimeError):
