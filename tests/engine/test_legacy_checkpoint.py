@@ -19,8 +19,10 @@ from pathlib import Path
 import pytest
 import torch
 from hydra import compose, initialize_config_dir
+from tiny_run import TINY_TOY
 
 from wsod.build import load_detector
+from wsod.data.toy import PART_PRONE_OBJECT_SIZE, ensure_toy_dataset
 from wsod.engine.checkpoint import load_checkpoint, save_checkpoint
 from wsod.runs.train import train_from_config
 
@@ -49,10 +51,27 @@ def test_a_checkpoint_from_before_the_seams_loads_for_evaluation(tiny_toy_root, 
     assert metadata["classes"] and model.num_classes == len(metadata["classes"])
 
 
-def test_a_checkpoint_from_before_the_seams_resumes_exactly(tiny_toy_root, tmp_path):
+@pytest.fixture(scope="module")
+def part_prone_tiny_toy_root(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The tiny toy set as that code drew it: objects of 25-70 px (data=toy_parts), not today's default."""
+    root = tmp_path_factory.mktemp("tiny_toy_parts") / "toy"
+    ensure_toy_dataset(root, workers=1, object_size=PART_PRONE_OBJECT_SIZE, **TINY_TOY)
+    return root
+
+
+def test_a_checkpoint_from_before_the_seams_resumes_exactly(part_prone_tiny_toy_root, tmp_path):
     run_dir = tmp_path / "run"
-    _legacy_checkpoint_in(run_dir, tiny_toy_root)
-    overrides = [*OVERRIDES, f"data.root={tiny_toy_root}", "solver.max_iter=4", f"output_dir={run_dir}"]
+    root = part_prone_tiny_toy_root
+    _legacy_checkpoint_in(run_dir, root)
+    # The checkpoint's own images and proposal rule (data=toy_parts: objects 25-70 px, proposals from 2 px,
+    # the defaults then): a resume refuses other training data (tests/test_config_checks.py).
+    overrides = [
+        *OVERRIDES,
+        "data=toy_parts",
+        f"data.root={root}",
+        "solver.max_iter=4",
+        f"output_dir={run_dir}",
+    ]
     with initialize_config_dir(config_dir=str(ROOT / "configs"), version_base="1.3"):
         cfg = compose(config_name="train", overrides=[*overrides, "resume=true"])
     threads = torch.get_num_threads()
