@@ -224,6 +224,19 @@ def test_a_config_saved_before_views_and_the_ema_teacher_resumes_and_changing_vi
     ]
 
 
+def test_a_toy_config_saved_before_object_size_is_the_part_prone_set_and_the_new_default_is_refused():
+    """Saved before data.object_size (and the toy's 28-px proposals): it trained on 25-70 px objects with
+    every proposal, which is data=toy_parts; resuming it on the new default set would change its images."""
+    from omegaconf import OmegaConf
+
+    parts = _config(["data=toy_parts", "data.root=data/toy"])
+    before = OmegaConf.to_container(parts, resolve=True)
+    del before["data"]["object_size"]
+    assert resume_changes(before, parts) == []
+    with pytest.raises(ConfigError, match=r"data.object_size: \[25, 70\] -> \[30, 60\] \(the toy set"):
+        resume_changes(before, _config([]))
+
+
 def test_the_roi_sampling_keys_are_checked():
     with pytest.raises(ConfigError) as error:
         check_config(

@@ -9,9 +9,11 @@ import subprocess
 import time
 from pathlib import Path
 
+from wsod.data.toy import OBJECT_SIZE
+
 ROOT = Path(__file__).resolve().parents[1]
 
-TINY_TOY = {"num_train": 12, "num_test": 6}
+TINY_TOY = {"num_train": 12, "num_test": 6, "object_size": list(OBJECT_SIZE)}
 
 
 def tiny_overrides(root: Path, run_dir: Path, **extra: object) -> list[str]:

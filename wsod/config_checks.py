@@ -586,6 +586,7 @@ _FIXED_ON_RESUME = {
     "data.test_fraction": "the seeded split of a folder without a split column chose the training images",
     "data.num_train": "the training data must be the checkpoint's",
     "data.num_test": "the toy set must be the checkpoint's",
+    "data.object_size": "the toy set must be the checkpoint's",
     "data.train": "the training images, their order and their augmentation must be the checkpoint's",
     "model": "the saved weights belong to the saved architecture",
     "method.num_students": "the saved weights hold that many students",

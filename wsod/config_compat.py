@@ -22,6 +22,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from wsod.data.folder import SPLIT_SEED, TEST_FRACTION
+from wsod.data.toy import PART_PRONE_OBJECT_SIZE
 
 __all__ = ["MOVED_TO_METHOD", "upgrade_saved_config", "upgrade_model_settings"]
 
@@ -84,7 +85,10 @@ def upgrade_saved_config(saved: Mapping[str, Any], like: Mapping[str, Any] | Non
         if data.get("kind") == "folder":
             for key, value in _FOLDER_SPLIT_BEFORE_ITS_SETTINGS.items():
                 data.setdefault(key, value)
-        if data.get("kind") == "toy":  # before toy sets took a proposal file: their own Selective Search
+        if data.get("kind") == "toy":
+            # Before object_size: the toy set drew its objects at 25-70 px (data=toy_parts now).
+            data.setdefault("object_size", list(PART_PRONE_OBJECT_SIZE))
+            # Before toy sets took a proposal file: their own Selective Search.
             train_sets = (data.get("train") or {}).get("sets")
             test_set = (data.get("test") or {}).get("set")
             for node in [*(train_sets if isinstance(train_sets, list) else []), test_set]:

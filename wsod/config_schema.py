@@ -53,6 +53,7 @@ from omegaconf import MISSING, DictConfig, OmegaConf
 
 from wsod.data.folder import SPLIT_SEED, TEST_FRACTION
 from wsod.data.proposals.selective_search import MODES as SELECTIVE_SEARCH_MODES
+from wsod.data.toy import OBJECT_SIZE
 from wsod.data.transforms import TRAIN_SCALES
 from wsod.engine.amp import AMP_DTYPES
 from wsod.engine.balancing import BALANCE_CHOICES
@@ -210,7 +211,7 @@ class ToyData:
     num_test: int = 200
     # [min, max] side of the drawn objects in pixels: 30-60, the default set; 25-70, the part-prone set
     # (configs/data/toy_parts.yaml). Why: wsod/data/toy.py, OBJECT_SIZE.
-    object_size: list[int] = field(default_factory=lambda: [30, 60])
+    object_size: list[int] = field(default_factory=lambda: list(OBJECT_SIZE))
     train: ToyTrainData = field(default_factory=ToyTrainData)
     test: ToyTestData = field(default_factory=ToyTestData)
 

@@ -17,6 +17,7 @@ from wsod.data.folder import FolderDataset, proposals_path, write_split_csv
 from wsod.data.formats import DATASET_FORMATS, DatasetFormat, dataset_format, register_dataset_format
 from wsod.data.proposals import ProposalSet
 from wsod.data.proposals.store import write_proposal_store
+from wsod.data.toy import OBJECT_SIZE
 from wsod.data.voc import VOCDataset
 
 BUILT_IN = ("toy", "voc", "coco", "folder")
@@ -42,7 +43,7 @@ def test_the_built_in_formats_are_registered_with_what_each_kind_decides():
 
 
 def test_the_toy_format_opens_a_split_of_the_generated_set(tiny_toy):
-    data = {"root": str(tiny_toy.root), "num_train": 10, "num_test": 6}
+    data = {"root": str(tiny_toy.root), "num_train": 10, "num_test": 6, "object_size": list(OBJECT_SIZE)}
     assert DATASET_FORMATS["toy"].prepare({"kind": "toy", **data}, False) == tiny_toy  # made already: found
     test = _open("toy", data, {"image_set": "test"}, max_proposals=3)
     assert isinstance(test, VOCDataset) and test.result_format == "voc"

@@ -13,6 +13,7 @@ import torch
 
 from wsod.data.coco import CocoDataset, load_coco_records
 from wsod.data.roi_sampling import PartialLabelRoiSampler
+from wsod.data.toy import OBJECT_SIZE
 from wsod.data.transforms import DetectionTransform
 from wsod.data.voc import VOCDataset
 
@@ -258,6 +259,7 @@ def test_the_train_dataset_of_a_config_reads_the_side_file_and_samples(tiny_toy,
     cfg = OmegaConf.create(
         {
             "kind": "toy", "root": str(tiny_toy.root), "num_train": 10, "num_test": 6,
+            "object_size": list(OBJECT_SIZE),
             "train": {
                 "sets": [{"image_set": "trainval", "partial_labels": str(partial)}], "scales": [160],
                 "max_size": 1000, "flip": True, "lighting_std": 0.0, "max_proposals": None,

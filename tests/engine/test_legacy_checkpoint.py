@@ -55,7 +55,7 @@ def test_a_checkpoint_from_before_the_seams_loads_for_evaluation(tiny_toy_root, 
 def part_prone_tiny_toy_root(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """The tiny toy set as that code drew it: objects of 25-70 px (data=toy_parts), not today's default."""
     root = tmp_path_factory.mktemp("tiny_toy_parts") / "toy"
-    ensure_toy_dataset(root, workers=1, object_size=PART_PRONE_OBJECT_SIZE, **TINY_TOY)
+    ensure_toy_dataset(root, workers=1, **{**TINY_TOY, "object_size": PART_PRONE_OBJECT_SIZE})
     return root
 
 

@@ -49,7 +49,7 @@ from wsod.data.folder import (
     require_proposals,
     write_split_csv,
 )
-from wsod.data.toy import OBJECT_SIZE, ToyDataset, ensure_toy_dataset
+from wsod.data.toy import ToyDataset, ensure_toy_dataset
 from wsod.data.voc import VOCDataset
 
 __all__ = [
@@ -156,9 +156,7 @@ def _toy(data: Settings, progress: bool = False) -> ToyDataset:
         _setting(data, "root", "toy"),
         num_train=_setting(data, "num_train", "toy"),
         num_test=_setting(data, "num_test", "toy"),
-        # A toy config without the key (one written in code, or saved before it existed) draws the default
-        # set; a folder holding another set is refused by its manifest, never silently reused.
-        object_size=tuple(data.get("object_size", OBJECT_SIZE)),
+        object_size=tuple(_setting(data, "object_size", "toy")),
         progress=progress,
     )
 

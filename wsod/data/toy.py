@@ -133,7 +133,7 @@ def _shape_mask(cls: int, box: tuple[float, float, float, float], size: int) -> 
 
 
 def _place(
-    rng: np.random.Generator, placed: list[tuple[float, ...]], size: int, object_size: tuple[int, int]
+    rng: np.random.Generator, placed: list[tuple[float, ...]], size: int, object_size: Sequence[int]
 ) -> tuple[float, ...] | None:
     """A random (x0, y0, w, h) with sides in ``object_size`` inside the image at least 3 px from every
     placed box, or None."""
@@ -172,12 +172,11 @@ def toy_object_masks(
 def _render(
     seed: int, number: int, size: int, object_size: Sequence[int]
 ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
-    low, high = object_size
     rng = np.random.default_rng([seed, number])
     image = _background(rng, size)
     boxes, labels, placed, masks = [], [], [], []
     for _ in range(int(rng.integers(1, 4))):
-        box = _place(rng, placed, size, (low, high))
+        box = _place(rng, placed, size, object_size)
         if box is None:
             continue
         placed.append(box)
