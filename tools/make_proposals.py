@@ -8,6 +8,8 @@
         --images data/coco/val2017 --output data/proposals/ss_coco_val2017.pkl
     python tools/make_proposals.py voc --devkit data/VOCdevkit --year 2007 --image-set test \\
         --proposals data/proposals/given.pkl    # the recall of a file only
+    python tools/make_proposals.py toy --root data/toy_parts --object-size 25 70 --split trainval \\
+        --proposals data/toy_parts/proposals/selective_search_trainval.pkl   # its part proposals
     python tools/make_proposals.py convert SelectiveSearchVOC2007trainval.mat voc_2007_trainval.pkl
     python tools/make_proposals.py convert ss_coco_train2017.pkl ss_coco_train2017.proposals  # mmap store
     python tools/make_proposals.py convert sam_boxes.json sam_boxes.proposals   # boxes from any tool
@@ -17,11 +19,14 @@
 the folder dataset reads them, ``<root>/proposals/selective_search.proposals``: ``--output`` is not needed.
 Generation is resumable: rerun the same command after an interruption. Wherever the dataset has
 ground-truth boxes, recall at IoU 0.5 and 0.7 versus the number of proposals is printed and plotted
-(``--recall-plot``, default next to the output file). An output or destination ending with
-``.proposals`` is a memory-mapped proposal store (``wsod.data.proposals.store``): one copy of the boxes in
-the page cache for all training processes instead of one unpickled copy per process. ``convert`` reads
-reference and detectron2 pickles, ``.mat`` releases, a COCO-style ``.json`` of boxes and a folder of
-per-image ``.npy`` / ``.txt`` arrays, keeping each box's score (data/README.md, Proposal files).
+(``--recall-plot``, default next to the output file), and per class the part proposals per object:
+proposals inside an object that cover under half of it, what part domination feeds on
+(``wsod.data.proposals.parts``; ``--min-size 28`` reports what the default toy config loads). An output
+or destination ending with ``.proposals`` is a memory-mapped proposal store (``wsod.data.proposals.store``):
+one copy of the boxes in the page cache for all training processes instead of one unpickled copy per
+process. ``convert`` reads reference and detectron2 pickles, ``.mat`` releases, a COCO-style ``.json`` of
+boxes and a folder of per-image ``.npy`` / ``.txt`` arrays, keeping each box's score (data/README.md,
+Proposal files).
 """
 
 from __future__ import annotations
@@ -41,9 +46,10 @@ from wsod.data.proposals import (
     save_proposals,
     union_proposals,
 )
+from wsod.data.proposals.parts import format_part_table, records_part_proposals
 from wsod.data.proposals.recall import format_recall_table, plot_recall, records_recall
 from wsod.data.proposals.selective_search import MODES, generate_proposals
-from wsod.data.toy import ensure_toy_dataset
+from wsod.data.toy import OBJECT_SIZE, ensure_toy_dataset
 from wsod.data.voc import VOC_CLASSES, load_voc_records
 
 
@@ -93,6 +99,11 @@ def _parser() -> argparse.ArgumentParser:
     toy = commands.add_parser("toy", help="a split of the toy dataset (generated first if absent)")
     toy.add_argument("--root", type=Path, default=Path("data/toy"))
     toy.add_argument("--split", default="test", choices=("trainval", "train", "val", "test"))
+    toy.add_argument(
+        "--object-size", type=int, nargs=2, default=list(OBJECT_SIZE), metavar=("MIN", "MAX"),
+        help=f"the objects' sides in pixels, as data.object_size (default {OBJECT_SIZE[0]} {OBJECT_SIZE[1]};"
+        " data=toy_parts: 25 70)",
+    )  # fmt: skip
     for sub in (voc, coco, folder, toy):
         _add_generation_options(sub)
     convert = commands.add_parser(
@@ -118,17 +129,19 @@ def _parser() -> argparse.ArgumentParser:
     return parser
 
 
-def _records(args: argparse.Namespace) -> list:
+def _records(args: argparse.Namespace) -> tuple[list, tuple[str, ...]]:
+    """The dataset's image records and its class names."""
     if args.command == "voc":
-        classes = args.classes.split(",") if args.classes else VOC_CLASSES
-        return load_voc_records(args.devkit, args.year, args.image_set, classes)
+        classes = tuple(args.classes.split(",") if args.classes else VOC_CLASSES)
+        return load_voc_records(args.devkit, args.year, args.image_set, classes), classes
     if args.command == "coco":
-        return load_coco_records(args.annotations, args.images)[0]
+        records, _, classes = load_coco_records(args.annotations, args.images)
+        return records, classes
     if args.command == "folder":
         classes = args.classes.split(",") if args.classes else None
-        return load_folder_records(args.root, None, classes)[0]
-    toy = ensure_toy_dataset(args.root, progress=not args.no_progress)
-    return load_voc_records(toy.devkit, toy.year, args.split, toy.classes)
+        return load_folder_records(args.root, None, classes)
+    toy = ensure_toy_dataset(args.root, object_size=args.object_size, progress=not args.no_progress)
+    return load_voc_records(toy.devkit, toy.year, args.split, toy.classes), tuple(toy.classes)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -159,7 +172,7 @@ def main(argv: list[str] | None = None) -> int:
     if (args.output is None) == (args.proposals is None):
         sys.exit("give exactly one of --output (generate) and --proposals (report an existing file)")
 
-    records = _records(args)
+    records, classes = _records(args)
     if args.proposals is not None:
         proposals, source = load_proposals(args.proposals), args.proposals
     else:
@@ -186,6 +199,11 @@ def main(argv: list[str] | None = None) -> int:
         print("no ground-truth boxes in this dataset: no recall report")
         return 0
     print(format_recall_table(report))
+    print(
+        format_part_table(
+            records_part_proposals(proposals, records, classes, min_size=args.min_size, top_k=args.top_k)
+        )
+    )
     plot_path = args.recall_plot or Path(source).with_suffix(".recall.png")
     plot_recall(report, plot_path, title=f"{Path(source).name}")
     print(f"recall plot: {plot_path}")

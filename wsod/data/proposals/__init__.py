@@ -12,7 +12,8 @@ One concept per module, each importing only the ones above it in this list (so t
 - ``io``: reading, writing and converting files by suffix (reference pickles, detectron2's proposal
   pickles, MATLAB releases, the ``box_lists`` inputs, stores);
 - ``selective_search``: generating proposals over a dataset (OpenCV; imported on its own, not here);
-- ``recall``: the fraction of ground-truth boxes the proposals cover (imported on its own, not here).
+- ``recall``: the fraction of ground-truth boxes the proposals cover (imported on its own, not here);
+- ``parts``: the proposals per object, by class, that are parts of it (imported on its own, not here).
 
 This package re-exports every name ``wsod.data.proposals`` had when it was one module, and the store's.
 """
