@@ -234,6 +234,40 @@ def test_corloc_image_without_detection_of_a_present_class_is_incorrect():
     assert result["CorLoc"] == pytest.approx(0.25)
 
 
+def test_corloc_names_the_top_detections_on_a_part():
+    # Class 0 in three images, each 20 x 20 (400 px). Image 0: the top box is a 10 x 10 corner (100 px,
+    # inside): on a part. Image 1: the top box is the object: correct, not on a part. Image 2: the top
+    # box is half the object (200 px: not under half) and IoU 0.5 (not above): wrong, yet not a part.
+    # Class 1 in image 2: its top box is a 5 x 5 piece of the class-0 object, not of its own (FAR-like):
+    # wrong and not on a part of a class-1 object.
+    big = [0, 0, 19, 19]
+    detections = [
+        dets([[0, 0, 9, 9], big], [0.9, 0.8]),
+        dets([big, [0, 0, 9, 9]], [0.9, 0.8]),
+        dets([[0, 0, 19, 9], [0, 0, 4, 4]], [0.9, 0.8], [0, 1]),
+    ]
+    annotations = [gts([big]), gts([big]), gts([big, [60, 60, 79, 79]], [0, 1])]
+    result = corloc(detections, annotations, 2)
+    assert result["num_correct"] == [1, 0] and result["num_on_part"] == [1, 0]
+    assert result["on_part"] == [pytest.approx(1 / 3), 0.0]
+    # Against a naive reference on the same cases: share of images whose top box lies >= 90% inside an
+    # object of its class, under half its area, and is not correct.
+    for c, expected in ((0, [True, False, False]), (1, [None, None, False])):
+        for i, (det, ann) in enumerate(zip(detections, annotations, strict=True)):
+            if expected[i] is None:
+                continue
+            mine = det["labels"] == c
+            top = det["boxes"][mine][det["scores"][mine].argmax()]
+            obj = ann["boxes"][ann["labels"] == c][0]
+            area = ((top[2] - top[0] + 1) * (top[3] - top[1] + 1)).item()
+            inter_w = (torch.minimum(top[2], obj[2]) - torch.maximum(top[0], obj[0]) + 1).clamp(min=0)
+            inter_h = (torch.minimum(top[3], obj[3]) - torch.maximum(top[1], obj[1]) + 1).clamp(min=0)
+            inside = (inter_w * inter_h).item() >= 0.9 * area
+            small = area < 0.5 * ((obj[2] - obj[0] + 1) * (obj[3] - obj[1] + 1)).item()
+            correct = inclusive_box_iou(top[None], obj[None]).item() > 0.5
+            assert (inside and small and not correct) == expected[i]
+
+
 def test_corloc_counts_difficult_objects():
     # The only object of class 0 is difficult: the class is present, and a detection on it is correct.
     # Two objects of class 0 in one image: a hit on either is correct (one image, counted once).
@@ -378,11 +412,11 @@ def test_format_results_table_and_copypaste_line():
     results = evaluate(detections, annotations, 3)
     text = format_results(results, ["cat", "dog", "sheep"], corloc(detections, annotations, 3))
     lines = text.splitlines()
-    assert lines[0].split() == ["class", "AP(voc07)", "recall", "CorLoc"]
-    assert lines[2].split() == ["cat", "100.00", "100.00", "100.00"]
-    assert lines[3].split() == ["dog", "0.00", "0.00", "0.00"]
-    assert lines[4].split() == ["sheep", "-", "-", "-"]
-    assert lines[-2].split() == ["mean", "50.00", "50.00", "50.00"]
+    assert lines[0].split() == ["class", "AP(voc07)", "recall", "CorLoc", "on", "a", "part"]
+    assert lines[2].split() == ["cat", "100.00", "100.00", "100.00", "0.00"]
+    assert lines[3].split() == ["dog", "0.00", "0.00", "0.00", "0.00"]
+    assert lines[4].split() == ["sheep", "-", "-", "-", "-"]
+    assert lines[-2].split() == ["mean", "50.00", "50.00", "50.00", "0.00"]
     assert lines[-1] == "copypaste: mAP(voc07,iou=0.5)=50.00, CorLoc=50.00, per-class AP: 100.00,0.00,nan"
     no_corloc = format_results(evaluate(detections, annotations, 3, metric="area"), ["cat", "dog", "sheep"])
     assert no_corloc.splitlines()[-1] == "copypaste: mAP(area,iou=0.5)=50.00, per-class AP: 100.00,0.00,nan"

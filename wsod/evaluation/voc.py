@@ -35,6 +35,7 @@ import torch
 from torch import Tensor
 
 from wsod.data.box_formats import inclusive_box_iou, to_one_based
+from wsod.data.proposals.parts import part_proposal_mask
 
 __all__ = [
     "METRICS",
@@ -184,21 +185,28 @@ def evaluate(
 
 
 def corloc(detections: _Images, annotations: _Images, num_classes: int, iou: float = 0.5) -> dict[str, Any]:
-    """Correct localisation: per (image, class present), is the class's top-scoring detection correct?
+    """Correct localisation: per (image, class present), is the class's top-scoring detection correct,
+    and when it is not, is it on a part of an object?
 
     A class is present in an image if any of its boxes is annotated there, difficult ones included. Its
     top-scoring detection (the first one on score ties) is correct if its inclusive-pixel IoU with some
     box of that class, difficult ones included, is strictly greater than ``iou``; no detection of the
-    class is incorrect. Detections of absent classes are ignored.
+    class is incorrect. Detections of absent classes are ignored. An incorrect top detection is on a
+    part when it is a part of some box of that class (``wsod.data.proposals.parts``: at least 90% of
+    its area inside the box, under half the box's area): part domination, weakly supervised detection's
+    classic failure, which CorLoc counts without naming.
 
     Returns a dict of plain Python values, per-class lists indexed by class:
 
     - ``"corloc"``: correct / images containing the class, per class (NaN if no image contains it)
     - ``"num_images"``: images containing the class; ``"num_correct"``: of those, correctly localised
+    - ``"on_part"``: incorrect and on a part / images containing the class (NaN if none);
+      ``"num_on_part"``: the count
     - ``"CorLoc"``: mean of ``"corloc"`` over the classes present in some image (NaN if none)
     """
     num_images = [0] * num_classes
     num_correct = [0] * num_classes
+    num_on_part = [0] * num_classes
     for det, ann in _load(detections, annotations, num_classes):
         for c in ann["labels"].unique().tolist():
             num_images[c] += 1
@@ -206,13 +214,19 @@ def corloc(detections: _Images, annotations: _Images, num_classes: int, iou: flo
             if len(candidates) == 0:
                 continue
             top = candidates[det["scores"][candidates].argmax()]  # argmax takes the first on ties
-            overlaps = inclusive_box_iou(det["boxes"][top, None], ann["boxes"][ann["labels"] == c])
-            num_correct[c] += int(overlaps.max().item() > iou)
+            objects = ann["boxes"][ann["labels"] == c]
+            correct = inclusive_box_iou(det["boxes"][top, None], objects).max().item() > iou
+            num_correct[c] += int(correct)
+            num_on_part[c] += int(
+                not correct and part_proposal_mask(det["boxes"][top, None], objects).any().item()
+            )
     per_class = [k / n if n else math.nan for k, n in zip(num_correct, num_images, strict=True)]
     return {
         "corloc": per_class,
         "num_images": num_images,
         "num_correct": num_correct,
+        "on_part": [k / n if n else math.nan for k, n in zip(num_on_part, num_images, strict=True)],
+        "num_on_part": num_on_part,
         "CorLoc": _nanmean(per_class),
     }
 
@@ -220,7 +234,8 @@ def corloc(detections: _Images, annotations: _Images, num_classes: int, iou: flo
 def format_results(
     results: Mapping[str, Any], class_names: Sequence[str], corloc_results: Mapping[str, Any] | None = None
 ) -> str:
-    """A per-class table of ``evaluate``'s results (and ``corloc``'s, if given) in percent, then a line
+    """A per-class table of ``evaluate``'s results (and ``corloc``'s, if given: CorLoc and the share of
+    images whose top detection of the class is on a part) in percent, then a line
 
     ``copypaste: mAP(voc07,iou=0.5)=52.31, CorLoc=60.12, per-class AP: 45.30,60.10,...``
 
@@ -234,9 +249,9 @@ def format_results(
     means = [results["mAP"], _nanmean(results["recall"])]
     summary = f"mAP({results['metric']},iou={results['iou']:g})={_percent(results['mAP'])}"
     if corloc_results is not None:
-        headers.append("CorLoc")
-        columns.append(corloc_results["corloc"])
-        means.append(corloc_results["CorLoc"])
+        headers += ["CorLoc", "on a part"]
+        columns += [corloc_results["corloc"], corloc_results["on_part"]]
+        means += [corloc_results["CorLoc"], _nanmean(corloc_results["on_part"])]
         summary += f", CorLoc={_percent(corloc_results['CorLoc'])}"
 
     name_width = max(len(name) for name in ("class", *class_names))
