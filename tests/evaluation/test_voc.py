@@ -235,37 +235,36 @@ def test_corloc_image_without_detection_of_a_present_class_is_incorrect():
 
 
 def test_corloc_names_the_top_detections_on_a_part():
-    # Class 0 in three images, each 20 x 20 (400 px). Image 0: the top box is a 10 x 10 corner (100 px,
-    # inside): on a part. Image 1: the top box is the object: correct, not on a part. Image 2: the top
-    # box is half the object (200 px: not under half) and IoU 0.5 (not above): wrong, yet not a part.
-    # Class 1 in image 2: its top box is a 5 x 5 piece of the class-0 object, not of its own (FAR-like):
-    # wrong and not on a part of a class-1 object.
+    # Class 0 in four images, each object 20 x 20 (400 px). Image 0: the top box is a 10 x 10 corner
+    # (100 px, all inside): on a part. Image 1: the top box is the object: correct, not on a part.
+    # Image 2: a 10 x 10 box with 50 of its 100 px on the object (exactly half: at least half inside)
+    # and under half its area: on a part. Image 3: a 10 x 10 box with 40 px on the object: not on a part;
+    # and half the object (200 px, not under half, IoU 0.5 is not above): wrong, yet not a part.
+    # Class 1 in image 3: its top box is a 5 x 5 piece of the class-0 object, not of its own: not a part.
     big = [0, 0, 19, 19]
     detections = [
         dets([[0, 0, 9, 9], big], [0.9, 0.8]),
         dets([big, [0, 0, 9, 9]], [0.9, 0.8]),
-        dets([[0, 0, 19, 9], [0, 0, 4, 4]], [0.9, 0.8], [0, 1]),
+        dets([[15, 0, 24, 9]], [0.9]),
+        dets([[16, 0, 25, 9], [0, 0, 4, 4]], [0.9, 0.8], [0, 1]),
+        dets([[0, 0, 19, 9]], [0.9]),
     ]
-    annotations = [gts([big]), gts([big]), gts([big, [60, 60, 79, 79]], [0, 1])]
+    annotations = [gts([big]), gts([big]), gts([big]), gts([big, [60, 60, 79, 79]], [0, 1]), gts([big])]
     result = corloc(detections, annotations, 2)
-    assert result["num_correct"] == [1, 0] and result["num_on_part"] == [1, 0]
-    assert result["on_part"] == [pytest.approx(1 / 3), 0.0]
-    # Against a naive reference on the same cases: share of images whose top box lies >= 90% inside an
-    # object of its class, under half its area, and is not correct.
-    for c, expected in ((0, [True, False, False]), (1, [None, None, False])):
-        for i, (det, ann) in enumerate(zip(detections, annotations, strict=True)):
-            if expected[i] is None:
-                continue
-            mine = det["labels"] == c
-            top = det["boxes"][mine][det["scores"][mine].argmax()]
-            obj = ann["boxes"][ann["labels"] == c][0]
-            area = ((top[2] - top[0] + 1) * (top[3] - top[1] + 1)).item()
-            inter_w = (torch.minimum(top[2], obj[2]) - torch.maximum(top[0], obj[0]) + 1).clamp(min=0)
-            inter_h = (torch.minimum(top[3], obj[3]) - torch.maximum(top[1], obj[1]) + 1).clamp(min=0)
-            inside = (inter_w * inter_h).item() >= 0.9 * area
-            small = area < 0.5 * ((obj[2] - obj[0] + 1) * (obj[3] - obj[1] + 1)).item()
-            correct = inclusive_box_iou(top[None], obj[None]).item() > 0.5
-            assert (inside and small and not correct) == expected[i]
+    assert result["num_images"] == [5, 1]
+    assert result["num_correct"] == [1, 0] and result["num_on_part"] == [2, 0]
+    assert result["on_part"] == [pytest.approx(2 / 5), 0.0]
+    # The same verdicts from a pixel-by-pixel reference: rasterise the top box and the object, count.
+    expected = {(0, 0): True, (1, 0): False, (2, 0): True, (3, 0): False, (3, 1): False, (4, 0): False}
+    for (i, c), verdict in expected.items():
+        det, ann = detections[i], annotations[i]
+        mine = det["labels"] == c
+        x1, y1, x2, y2 = det["boxes"][mine][det["scores"][mine].argmax()].int().tolist()
+        ox1, oy1, ox2, oy2 = ann["boxes"][ann["labels"] == c][0].int().tolist()
+        box = {(x, y) for x in range(x1, x2 + 1) for y in range(y1, y2 + 1)}
+        obj = {(x, y) for x in range(ox1, ox2 + 1) for y in range(oy1, oy2 + 1)}
+        iou = len(box & obj) / len(box | obj)
+        assert (iou <= 0.5 and len(box & obj) >= 0.5 * len(box) and len(box) < 0.5 * len(obj)) == verdict
 
 
 def test_corloc_counts_difficult_objects():
