@@ -11,7 +11,8 @@ A proposal is a part of a ground-truth box when at least ``inside`` (default 0.9
 lies in the box and the proposal's area is under ``max_area`` (default 0.5) of the box's: the two numbers
 say "inside" with a margin for a boundary pixel and "under half of it". Areas and intersections are in the
 VOC devkit's inclusive convention (a box ``[x1, y1, x2, y2]`` is ``(x2 - x1 + 1) x (y2 - y1 + 1)`` pixels),
-as recall is. Difficult objects are left out, as recall leaves them out.
+as recall is. Difficult objects are left out, as recall leaves them out. The evaluation's ``on a part``
+column applies the same test to top detections, at half inside (``wsod.evaluation.voc.PART_INSIDE``).
 """
 
 from __future__ import annotations
