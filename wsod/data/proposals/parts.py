@@ -25,7 +25,8 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from wsod.data.proposals.sets import ProposalSet, filter_proposals
+from wsod.data.proposals.recall import loaded_proposals_of_boxed_records
+from wsod.data.proposals.sets import ProposalSet
 
 if TYPE_CHECKING:  # only named in annotations: wsod.data.dataset imports this package at run time
     from wsod.data.dataset import ImageRecord
@@ -114,19 +115,9 @@ def records_part_proposals(
 ) -> PartReport | None:
     """Part proposals of a proposal file on a dataset's ground truth, after the same loading rules as
     training (``filter_proposals``, as ``records_recall``); None when no record has boxes."""
-    with_boxes = [r for r in records if r.has_boxes]
+    with_boxes, boxes = loaded_proposals_of_boxed_records(proposals, records, min_size=min_size, top_k=top_k)
     if not with_boxes:
         return None
-    boxes = [
-        filter_proposals(
-            proposals[r.image_id],
-            (r.height, r.width),
-            min_size=min_size,
-            top_k=top_k,
-            scores=proposals.scores(r.image_id),
-        )  # fmt: skip
-        for r in with_boxes
-    ]
     return count_part_proposals(
         boxes,
         [r.gt_boxes for r in with_boxes],

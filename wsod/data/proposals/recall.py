@@ -21,7 +21,14 @@ from wsod.data.proposals.sets import ProposalSet, filter_proposals
 if TYPE_CHECKING:  # only named in annotations: wsod.data.dataset imports this package at run time
     from wsod.data.dataset import ImageRecord
 
-__all__ = ["RecallReport", "proposal_recall", "records_recall", "format_recall_table", "plot_recall"]
+__all__ = [
+    "RecallReport",
+    "proposal_recall",
+    "loaded_proposals_of_boxed_records",
+    "records_recall",
+    "format_recall_table",
+    "plot_recall",
+]
 
 DEFAULT_COUNTS = (10, 20, 50, 100, 200, 500, 1000, 2000)
 
@@ -125,19 +132,12 @@ def plot_recall(report: RecallReport, path: str | os.PathLike, title: str = "pro
     figure.savefig(os.fspath(path))
 
 
-def records_recall(
-    proposals: ProposalSet,
-    records: Sequence[ImageRecord],
-    *,
-    min_size: float = 2.0,
-    top_k: int | None = None,
-    **options,
-) -> RecallReport | None:
-    """Recall of a proposal file on a dataset's ground truth, after the same filtering as training
-    (``filter_proposals`` with the recorded image sizes); None when no record has boxes."""
+def loaded_proposals_of_boxed_records(
+    proposals: ProposalSet, records: Sequence[ImageRecord], *, min_size: float = 2.0, top_k: int | None = None
+) -> tuple[list[ImageRecord], list[torch.Tensor]]:
+    """The records with ground-truth boxes, and each one's proposals (R_i, 4) as training loads them
+    (``filter_proposals`` with the recorded image size): what the proposal reports measure."""
     with_boxes = [r for r in records if r.has_boxes]
-    if not with_boxes:
-        return None
     boxes = [
         filter_proposals(
             proposals[r.image_id],
@@ -148,6 +148,22 @@ def records_recall(
         )  # fmt: skip
         for r in with_boxes
     ]
+    return with_boxes, boxes
+
+
+def records_recall(
+    proposals: ProposalSet,
+    records: Sequence[ImageRecord],
+    *,
+    min_size: float = 2.0,
+    top_k: int | None = None,
+    **options,
+) -> RecallReport | None:
+    """Recall of a proposal file on a dataset's ground truth, after the same filtering as training
+    (``filter_proposals`` with the recorded image sizes); None when no record has boxes."""
+    with_boxes, boxes = loaded_proposals_of_boxed_records(proposals, records, min_size=min_size, top_k=top_k)
+    if not with_boxes:
+        return None
     return proposal_recall(
         boxes, [r.gt_boxes for r in with_boxes], [r.gt_difficult for r in with_boxes], **options
     )
