@@ -18,28 +18,20 @@ it removed by the next call.
 
 from __future__ import annotations
 
-import contextlib
-import json
 import logging
 import os
-import shutil
-import signal
-import threading
-import time
 import xml.etree.ElementTree as ET
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from types import FrameType
 
 import cv2
 import numpy as np
 from PIL import Image
 from tqdm import tqdm
 
-from wsod.atomic import atomic_write
 from wsod.data.box_formats import to_one_based
-from wsod.data.json_files import read_json
+from wsod.data.generated import ensure_generated
 from wsod.data.proposals.selective_search import generate_proposals
 from wsod.data.voc import VOCDataset
 
@@ -247,57 +239,6 @@ def _paths(root: Path) -> ToyDataset:
     return ToyDataset(root, root / "VOCdevkit", YEAR, TOY_CLASSES, proposals)
 
 
-# A generation writes into a hidden sibling folder named after its process, then renames it into place.
-_STAGING_PREFIX = ".{name}.tmp-"
-
-
-def _remove_abandoned_staging(root: Path) -> None:
-    """Delete the staging folders of generations whose process is gone (killed, or the machine
-    restarted); a live process's folder is left alone."""
-    prefix = _STAGING_PREFIX.format(name=root.name)
-    if not root.parent.is_dir():
-        return
-    for folder in root.parent.glob(f"{prefix}*"):
-        pid = folder.name[len(prefix) :]
-        if pid.isdigit() and not _process_alive(int(pid)):
-            logger.info("removing %s, left behind by an interrupted toy-data generation", folder)
-            shutil.rmtree(folder, ignore_errors=True)
-
-
-def _process_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)  # signal 0: existence check only
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True  # exists, owned by someone else
-    return True
-
-
-@contextlib.contextmanager
-def _terminate_raises() -> Iterator[None]:
-    """While it is open, SIGTERM (``kill``'s default, what job schedulers send) raises ``SystemExit(143)``
-    in the main thread instead of ending the process on the spot, so that a killed generation removes
-    its staging folder as an interrupted one (Ctrl-C) does. A handler installed by someone else (or
-    SIGTERM ignored) is left alone, and so are other threads, which cannot set handlers. ``kill -9``
-    cannot be caught: the next call removes that folder (``_remove_abandoned_staging``)."""
-    if (
-        threading.current_thread() is not threading.main_thread()
-        or signal.getsignal(signal.SIGTERM) is not signal.SIG_DFL
-    ):
-        yield
-        return
-
-    def stop(signum: int, frame: FrameType | None) -> None:
-        raise SystemExit(128 + signum)
-
-    signal.signal(signal.SIGTERM, stop)
-    try:
-        yield
-    finally:
-        signal.signal(signal.SIGTERM, signal.SIG_DFL)
-
-
 def ensure_toy_dataset(
     root: str | os.PathLike = "data/toy",
     *,
@@ -329,54 +270,16 @@ def ensure_toy_dataset(
         "object_size": [low, high],
         "classes": list(TOY_CLASSES),
     }
-    manifest_path = root / "toy.json"
-    _remove_abandoned_staging(root)  # a generation killed outright (kill -9) left its folder behind
-    if manifest_path.is_file():
-        existing = read_json(
-            manifest_path, "the manifest ensure_toy_dataset writes; delete the folder to remake it"
-        )
-        if existing != manifest:
-            raise ValueError(
-                f"{root} holds a toy dataset made with {existing}, not {manifest}; use another root, or"
-                " delete the folder to make it again"
-            )
-        return _paths(root)
-    if root.exists() and any(root.iterdir()):
-        raise FileExistsError(f"{root} exists but holds no toy dataset ({manifest_path.name} is missing)")
 
-    start = time.perf_counter()
-    logger.info("generating the toy dataset in %s (%d trainval + %d test images)", root, num_train, num_test)
-    staging = root.with_name(f"{_STAGING_PREFIX.format(name=root.name)}{os.getpid()}")
-    shutil.rmtree(staging, ignore_errors=True)
-    try:
-        with _terminate_raises():  # kill (SIGTERM) too runs the cleanup below
-            splits = _write_devkit(
-                staging / "VOCdevkit" / f"VOC{YEAR}", seed, num_train, num_test, (low, high), progress
-            )
-            images_dir = staging / "VOCdevkit" / f"VOC{YEAR}" / "JPEGImages"
-            for split, path in _paths(staging).proposal_files.items():
-                images = [(i, str(images_dir / f"{i}.jpg")) for i in splits[split]]
-                generate_proposals(images, path, workers=workers, progress=progress)
-            with atomic_write(staging / "toy.json", "w") as f:
-                json.dump(manifest, f, indent=1)
-            if root.exists():
-                root.rmdir()  # empty (checked above); os.replace cannot replace a directory
-            os.replace(staging, root)
-    except OSError:
-        if manifest_path.is_file():  # another process finished first: use its copy
-            shutil.rmtree(staging, ignore_errors=True)
-            return ensure_toy_dataset(
-                root,
-                num_train=num_train,
-                num_test=num_test,
-                seed=seed,
-                object_size=(low, high),
-                workers=workers,
-            )
-        shutil.rmtree(staging, ignore_errors=True)
-        raise
-    except BaseException:
-        shutil.rmtree(staging, ignore_errors=True)
-        raise
-    logger.info("toy dataset ready in %s (%.1f s)", root, time.perf_counter() - start)
+    def write(staging: Path) -> None:
+        logger.info("generating the toy dataset in %s (%d + %d images)", root, num_train, num_test)
+        splits = _write_devkit(
+            staging / "VOCdevkit" / f"VOC{YEAR}", seed, num_train, num_test, (low, high), progress
+        )
+        images_dir = staging / "VOCdevkit" / f"VOC{YEAR}" / "JPEGImages"
+        for split, path in _paths(staging).proposal_files.items():
+            images = [(i, str(images_dir / f"{i}.jpg")) for i in splits[split]]
+            generate_proposals(images, path, workers=workers, progress=progress)
+
+    ensure_generated(root, manifest, write, manifest_name="toy.json", what="a toy dataset")
     return _paths(root)
