@@ -176,11 +176,13 @@ _COMMON = {
     ),
     "data.kind": _Rule(  # read at each check: a format registered after import is accepted
         lambda v: v in DATASET_FORMATS,
-        "a registered dataset format (wsod.data.formats.DATASET_FORMATS: toy, voc, coco, folder or yours)",
+        "a registered dataset format (wsod.data.formats.DATASET_FORMATS: toy, toy_voc, voc, coco, folder"
+        " or yours)",
     ),
     "data.root": _path("data.root=data/my_images"),
     "data.classes": _CLASSES,
     "data.split_seed": _integer(0),
+    "data.generator_seed": _integer(0),
     "data.test_fraction": _Rule(lambda v: _is_number(v) and 0 < v < 1, "a number > 0 and < 1, e.g. 0.2"),
     "data.devkit": _path("data.devkit=data/VOCdevkit"),
     "data.test.set.split": _SPLIT,
@@ -587,6 +589,7 @@ _FIXED_ON_RESUME = {
     "data.num_train": "the training data must be the checkpoint's",
     "data.num_test": "the toy set must be the checkpoint's",
     "data.object_size": "the toy set must be the checkpoint's",
+    "data.generator_seed": "the VOC-like set's images must be the checkpoint's",
     "data.train": "the training images, their order and their augmentation must be the checkpoint's",
     "model": "the saved weights belong to the saved architecture",
     "method.num_students": "the saved weights hold that many students",

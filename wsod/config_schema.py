@@ -8,8 +8,9 @@ The bases and the option files that extend them (``defaults: [<base>, _self_]`` 
 ===================  ==============================  ==========================================
 config group         base (ConfigStore name)         schema
 ===================  ==============================  ==========================================
-data                 ``base_toy``, ``base_voc``,      ``ToyData``, ``VOCData``, ``CocoData``,
-                     ``base_coco``, ``base_folder``   ``FolderData`` (one per dataset format)
+data                 ``base_toy``, ``base_toy_voc``,  ``ToyData``, ``ToyVOCData``, ``VOCData``,
+                     ``base_voc``, ``base_coco``,     ``CocoData``, ``FolderData`` (one per
+                     ``base_folder``                  dataset format)
 model                ``base_resnet_c4``, ``base``     ``ResNetC4Model``, ``Model`` (VGG16)
 solver               ``base``                         ``Solver`` with ``DropBlockSolver`` and
                                                       ``GradNormSolver``
@@ -54,6 +55,8 @@ from omegaconf import MISSING, DictConfig, OmegaConf
 from wsod.data.folder import SPLIT_SEED, TEST_FRACTION
 from wsod.data.proposals.selective_search import MODES as SELECTIVE_SEARCH_MODES
 from wsod.data.toy import OBJECT_SIZE
+from wsod.data.toy_voc.generator import NUM_TEST as TOY_VOC_NUM_TEST
+from wsod.data.toy_voc.generator import NUM_TRAIN as TOY_VOC_NUM_TRAIN
 from wsod.data.transforms import TRAIN_SCALES
 from wsod.engine.amp import AMP_DTYPES
 from wsod.engine.balancing import BALANCE_CHOICES
@@ -84,6 +87,7 @@ __all__ = [
     "GradNormSolver",
     "Detector",
     "ToyData",
+    "ToyVOCData",
     "VOCData",
     "CocoData",
     "FolderData",
@@ -212,6 +216,21 @@ class ToyData:
     # [min, max] side of the drawn objects in pixels: 30-60, the default set; 25-70, the part-prone set
     # (configs/data/toy_parts.yaml). Why: wsod/data/toy.py, OBJECT_SIZE.
     object_size: list[int] = field(default_factory=lambda: list(OBJECT_SIZE))
+    train: ToyTrainData = field(default_factory=ToyTrainData)
+    test: ToyTestData = field(default_factory=ToyTestData)
+
+
+@dataclass
+class ToyVOCData:
+    """The VOC-like benchmark (wsod.data.toy_voc): 20 classes of composite objects, 1-6 per cluttered
+    200-320 px image, in VOC layout with Selective Search proposals, generated under ``root`` on first
+    use. Another ``generator_seed`` draws other images with the same statistics: give it its own root."""
+
+    kind: str = "toy_voc"
+    root: str = "data/toy_voc"
+    generator_seed: int = 0  # which draw of the images (0: the set the recipes are measured on)
+    num_train: int = TOY_VOC_NUM_TRAIN  # images of the trainval split (smaller sets are for tests)
+    num_test: int = TOY_VOC_NUM_TEST
     train: ToyTrainData = field(default_factory=ToyTrainData)
     test: ToyTestData = field(default_factory=ToyTestData)
 
@@ -653,6 +672,7 @@ class PredictRun(Entry):
 # The ConfigStore entries: (group or None for a top-level config, name, schema).
 SCHEMAS: tuple[tuple[str | None, str, type], ...] = (
     ("data", "base_toy", ToyData),
+    ("data", "base_toy_voc", ToyVOCData),
     ("data", "base_voc", VOCData),
     ("data", "base_coco", CocoData),
     ("data", "base_folder", FolderData),

@@ -11,6 +11,7 @@ detections is the opened dataset's own answer (``WeakDetectionDataset.result_for
 twice is refused). The built-in formats, registered below::
 
     toy      the generated toy set (``wsod.data.toy``): made on first use; sets by ``image_set``
+    toy_voc  the generated VOC-like benchmark (``wsod.data.toy_voc``): as toy, drawn by ``generator_seed``
     voc      a VOCdevkit (``data.devkit``); sets by ``year``, ``image_set`` and ``proposals``
     coco     COCO-format json; sets by ``annotations``, ``images`` and ``proposals``; training drops the
              images without a label (docs/METHOD.md §9)
@@ -50,6 +51,7 @@ from wsod.data.folder import (
     write_split_csv,
 )
 from wsod.data.toy import ToyDataset, ensure_toy_dataset
+from wsod.data.toy_voc.generator import ToyVOCDataset, check_generator_seed, ensure_toy_voc_dataset
 from wsod.data.voc import VOCDataset
 
 __all__ = [
@@ -166,6 +168,24 @@ def _open_toy(data: Settings, source: Settings, /, **options: Any) -> WeakDetect
     return _toy(data).dataset(split, source.get("proposals"), **options)
 
 
+# -- toy_voc ----------------------------------------------------------------------------------------------
+
+
+def _toy_voc(data: Settings, progress: bool = False) -> ToyVOCDataset:
+    return ensure_toy_voc_dataset(
+        _setting(data, "root", "toy_voc"),
+        generator_seed=check_generator_seed(_setting(data, "generator_seed", "toy_voc")),
+        num_train=_setting(data, "num_train", "toy_voc"),
+        num_test=_setting(data, "num_test", "toy_voc"),
+        progress=progress,
+    )
+
+
+def _open_toy_voc(data: Settings, source: Settings, /, **options: Any) -> WeakDetectionDataset:
+    split = _setting(source, "image_set", "toy_voc", set_node=True)
+    return _toy_voc(data).dataset(split, source.get("proposals"), **options)
+
+
 # -- voc, coco --------------------------------------------------------------------------------------------
 
 
@@ -225,6 +245,7 @@ def _words(values: dict[str, Any]) -> str:
 
 
 register_dataset_format(DatasetFormat("toy", _open_toy, prepare=_toy))
+register_dataset_format(DatasetFormat("toy_voc", _open_toy_voc, prepare=_toy_voc))
 register_dataset_format(DatasetFormat("voc", _open_voc))
 register_dataset_format(DatasetFormat("coco", _open_coco, drop_unlabelled_in_training=True))
 register_dataset_format(
