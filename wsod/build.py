@@ -274,15 +274,18 @@ def _open(
     )
 
 
-def _train_transform(train: DictConfig, *, sample_rois: bool = False):
+def _train_transform(train: DictConfig, *, sample_rois: bool = False, true_boxes: bool = False):
     """The random training transform of a ``data.train`` node (scales, flip, lighting), then the ROI
     sampling of images with points or scribbles when ``sample_rois`` (and ``data.train.roi_sampling`` is
     set), as one per-view transform; with ``data.train.views`` > 1, that transform drawn once per view
     (``MultiViewTransform``: each view samples its own ROIs). One view keeps the plain transform, so
-    items stay the dicts they were."""
+    items stay the dicts they were. ``true_boxes``: the images' ground truth rides along in their
+    targets (``true_boxes``, ``true_labels``) for the pseudo-label quality log, no method reading it."""
     flip = 0.5 if train.flip else 0.0
     scales, lighting = list(train.scales), train.lighting_std
-    transform = train_transform(scales, train.max_size, flip_prob=flip, lighting_std=lighting)
+    transform = train_transform(
+        scales, train.max_size, flip_prob=flip, lighting_std=lighting, true_boxes=true_boxes
+    )
     sampling = train.get("roi_sampling") if sample_rois else None
     if sampling is not None:  # images with points or scribbles train on a sample of their ROIs
         sampler = PartialLabelRoiSampler(sampling.rois_per_image, sampling.positive_fraction)
@@ -292,9 +295,12 @@ def _train_transform(train: DictConfig, *, sample_rois: bool = False):
 
 
 def build_train_dataset(data_cfg: DictConfig) -> Dataset:
-    """The training images of ``data.train`` (several sets are concatenated) with random transforms."""
+    """The training images of ``data.train`` (several sets are concatenated) with random transforms;
+    an image with ground-truth boxes carries them in its targets as ``true_boxes`` / ``true_labels``, in
+    the batch's pixels, for the training log's pseudo-label precision (``wsod.engine.pseudo_label_quality``;
+    no method reads them)."""
     train = data_cfg.train
-    transform = _train_transform(train, sample_rois=True)
+    transform = _train_transform(train, sample_rois=True, true_boxes=True)
     # docs/METHOD.md §9: COCO images without any label are dropped from training (the format says).
     drop = _format(data_cfg).drop_unlabelled_in_training
     sets = [

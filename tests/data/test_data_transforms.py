@@ -179,3 +179,35 @@ def test_lighting_leaves_geometry_and_its_random_draws_alone():
         assert not torch.equal(noisy["image"], plain["image"])
     with pytest.raises(ValueError, match="lighting"):
         Lighting(-0.1)
+
+
+def test_true_boxes_ride_in_the_targets_exactly_as_the_proposals_move_and_draw_no_random_number():
+    # The pseudo-label quality log (wsod/engine/pseudo_label_quality.py) compares pseudo boxes, which
+    # are proposals or boxes made from them, with these: they must share the proposals' every move.
+    item = {**_item(), "gt_labels": torch.tensor([1, 0, 1])}
+    plain = train_transform(scales=(90, 120), max_size=1000, flip_prob=0.5, lighting_std=0.1)
+    carried = train_transform(
+        scales=(90, 120), max_size=1000, flip_prob=0.5, lighting_std=0.1, true_boxes=True
+    )
+    flips = set()
+    for seed in range(8):
+        torch.manual_seed(seed)
+        without = plain(item)
+        torch.manual_seed(seed)
+        out = carried(item)
+        # The same draws: the same scale, flip and lighting noise as without the true boxes.
+        assert torch.equal(out["image"], without["image"]) and torch.equal(
+            out["proposals"], without["proposals"]
+        )
+        assert "true_boxes" not in without.get("targets", {})
+        assert torch.equal(out["targets"]["true_boxes"], out["proposals"])  # the gt boxes are the proposals
+        assert type(out["targets"]["true_boxes"]) is torch.Tensor
+        assert out["targets"]["true_labels"].tolist() == [1, 0, 1]
+        assert out["targets"]["labels"].tolist() == [1.0, 0.0]  # the item had no targets: its labels
+        torch.testing.assert_close(out["gt_boxes"], torch.tensor(PROPOSALS), rtol=0, atol=0)  # untouched
+        flips.add(out["flipped"])
+    assert flips == {True, False}
+    assert "true_boxes" not in item.get("targets", {})  # the input item is left as it was
+
+    no_truth = {k: v for k, v in _item().items() if k != "gt_boxes"}
+    assert "targets" not in carried(no_truth)  # nothing to carry: label-only data passes unchanged

@@ -13,7 +13,9 @@ loads the image, looks up and filters its proposals and applies the transform. I
     gt_boxes (G, 4) float32, gt_labels (G,) int64, gt_difficult (G,) bool   (when the format has boxes)
 
 Ground-truth boxes are for evaluation only and stay in original pixels through every transform; they
-are not supervision and never enter ``targets``.
+are not supervision and never enter ``targets`` (but for the first stage's training transform, which
+copies them in as ``true_boxes`` / ``true_labels`` for the pseudo-label quality log, which no method
+reads: ``wsod.data.targets``).
 
 Bad input, and why each is an error or a skip:
 - a listed image file that does not exist: ``FileNotFoundError`` at construction naming the first one and

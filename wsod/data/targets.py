@@ -28,7 +28,12 @@ Where the dict is in which coordinates:
   inside a proposal, on its edge) holds after every augmentation too.
 
 Ground-truth boxes for evaluation (``gt_*``, ``WeakDetectionDataset.ground_truth``) are not supervision
-and never enter the targets.
+and never enter the targets, with one exception that no method reads: a training transform built with
+``true_boxes=True`` (``wsod.data.transforms.DetectionTransform``; the first stage's training set) copies
+them in as ``true_boxes`` (G, 4) and ``true_labels`` (G,) int64 (``TRUE_BOXES``, ``TRUE_LABELS``), so
+that they move with the image like any ``*_boxes`` field and the training loop can score the pseudo
+boxes in the batch's own pixels (``wsod.engine.pseudo_label_quality``, logging only). A method must not
+read them: they are the answer.
 
 Bad supervision is an error when the dataset is built (``check_supervision``), naming the image and the
 field: a field called ``labels`` (those are ``ImageRecord.labels``), values that are not numbers, geometry
@@ -48,9 +53,21 @@ from numpy.typing import ArrayLike
 from torch import Tensor
 from torchvision import tv_tensors
 
-__all__ = ["geometry_kind", "check_supervision", "make_targets", "geometry_of", "plain_targets"]
+__all__ = [
+    "geometry_kind",
+    "check_supervision",
+    "make_targets",
+    "geometry_of",
+    "plain_targets",
+    "TRUE_BOXES",
+    "TRUE_LABELS",
+]
 
 GeometryKind = Literal["points", "boxes"]
+
+# The image's ground-truth boxes and their classes (0..C-1) in the training batch's pixels, for the
+# pseudo-label quality log alone (the module docstring): named like boxes, so every transform moves them.
+TRUE_BOXES, TRUE_LABELS = "true_boxes", "true_labels"
 
 # Coordinates per row of each kind of geometry.
 _WIDTH = {"points": 2, "boxes": 4}

@@ -36,6 +36,12 @@ Item keys added or replaced (the rest pass through; ``gt_*`` stay in original pi
                 ``arange(R)`` when the item has none, else the item's own, passed through (a later step
                 that drops proposals, ``PartialLabelRoiSampler``, drops their ids with them)
 
+With ``true_boxes=True`` (the first stage's training set, ``wsod.build.build_train_dataset``) an item that
+has ground truth also gets copies of its ``gt_boxes`` and ``gt_labels`` in its targets as ``true_boxes``
+and ``true_labels`` (``wsod.data.targets.TRUE_BOXES``), moved by the same resize and flip as the
+proposals, so that the training log can score the pseudo boxes in the batch's pixels
+(``wsod.engine.pseudo_label_quality``). No method reads them; ``gt_*`` themselves stay in original pixels.
+
 Several views of one image (``MultiViewTransform``, ``data.train.views``): the random transform called
 once per view on the same untransformed item, so each view draws its own scale, flip and lighting, in
 turn, from the item's seeded stream (``WeakDetectionDataset`` seeds it once per item: a resumed run draws
@@ -52,7 +58,7 @@ from torchvision import tv_tensors
 from torchvision.transforms import v2
 from torchvision.transforms.v2 import functional as F
 
-from wsod.data.targets import geometry_of, plain_targets
+from wsod.data.targets import TRUE_BOXES, TRUE_LABELS, geometry_of, plain_targets
 
 __all__ = [
     "IMAGENET_MEAN",
@@ -130,6 +136,8 @@ class DetectionTransform:
     With one scale, ``flip_prob`` 0 or 1 and ``lighting_std`` 0 the transform is deterministic
     (``test_transform``). Randomness comes from torch's global generator, drawn in a fixed order (scale,
     flip, lighting), which ``WeakDetectionDataset`` seeds per image for ``(index, seed)`` items.
+    ``true_boxes``: also carry an item's ground truth into its targets as ``true_boxes`` /
+    ``true_labels`` (the module docstring); it draws no random number, so the augmentation is the same.
     """
 
     def __init__(
@@ -141,6 +149,7 @@ class DetectionTransform:
         lighting_std: float = 0.0,
         mean: Sequence[float] = IMAGENET_MEAN,
         std: Sequence[float] = IMAGENET_STD,
+        true_boxes: bool = False,
     ) -> None:
         scales = [int(s) for s in scales]
         if not scales or min(scales) <= 0:
@@ -152,6 +161,7 @@ class DetectionTransform:
             raise ValueError(f"flip_prob must be in [0, 1], got {flip_prob}")
         self.scales, self.max_size, self.flip_prob = tuple(scales), max_size, flip_prob
         self.lighting_std = float(lighting_std)
+        self.true_boxes = bool(true_boxes)
         # Resize(int) sets the shorter side exactly (RandomShortestSize truncates it to scale - 1 at times).
         resizes = [v2.Resize(s, max_size=max_size, antialias=True) for s in scales]
         self.resize = resizes[0] if len(resizes) == 1 else v2.RandomChoice(resizes)
@@ -168,6 +178,8 @@ class DetectionTransform:
         test-time augmentation can transform one item once per view)."""
         original_height = item["image"].shape[-2]
         targets = item.get("targets")
+        if self.true_boxes and item.get("gt_boxes") is not None:
+            targets = _with_true_boxes(item, targets)
         # Plain geometric fields (hand-built items) are taken to be on the image's canvas.
         geometry = {} if targets is None else geometry_of(targets, tuple(item["image"].shape[-2:]))
         # One call moves the image, the proposals and every geometric field (and draws one scale).
@@ -200,10 +212,25 @@ class DetectionTransform:
 
     def __repr__(self) -> str:
         name = type(self).__name__
+        carried = ", true_boxes=True" if self.true_boxes else ""
         return (
             f"{name}(scales={self.scales}, max_size={self.max_size}, flip_prob={self.flip_prob},"
-            f" lighting_std={self.lighting_std})"
+            f" lighting_std={self.lighting_std}{carried})"
         )
+
+
+def _with_true_boxes(item: dict, targets: dict | None) -> dict:
+    """A new targets dict: ``targets`` (the item's labels alone when it has none) plus copies of the
+    item's ground truth, ``true_boxes`` (G, 4) on the untransformed image's canvas (so that the resize
+    and the flip move them with the proposals) and ``true_labels`` (G,) int64."""
+    canvas = tuple(item["image"].shape[-2:])
+    boxes = torch.as_tensor(item["gt_boxes"], dtype=torch.float32).reshape(-1, 4).clone()
+    labels = torch.as_tensor(item["gt_labels"], dtype=torch.int64).reshape(-1).clone()
+    return {
+        **(targets if targets is not None else {"labels": item["labels"]}),
+        TRUE_BOXES: tv_tensors.BoundingBoxes(boxes, format="XYXY", canvas_size=canvas),
+        TRUE_LABELS: labels,
+    }
 
 
 class MultiViewTransform:
@@ -245,11 +272,16 @@ def train_transform(
     max_size: int | None = MAX_SIZE,
     flip_prob: float = 0.5,
     lighting_std: float = LIGHTING_STD,
+    *,
+    true_boxes: bool = False,
     **normalize,
 ) -> DetectionTransform:
     """Multi-scale training: random shorter side from ``scales``, random flip, PCA lighting noise
-    (docs/METHOD.md §8 defaults: the reference's, lighting std 0.1; 0 turns it off)."""
-    return DetectionTransform(scales, max_size, flip_prob=flip_prob, lighting_std=lighting_std, **normalize)
+    (docs/METHOD.md §8 defaults: the reference's, lighting std 0.1; 0 turns it off). ``true_boxes``:
+    carry the ground truth into the targets for the pseudo-label quality log (``DetectionTransform``)."""
+    return DetectionTransform(
+        scales, max_size, flip_prob=flip_prob, lighting_std=lighting_std, true_boxes=true_boxes, **normalize
+    )
 
 
 def test_transform(

@@ -7,6 +7,11 @@ update, with the companions called at the points ``wsod.engine.companion`` draws
 gradient or updated buffers (BatchNorm statistics) are not finite is skipped: no parameter, buffer or
 optimizer state changes. What is around a step (schedules, counters, logging, checkpoints, evaluation)
 is the loop's.
+
+A step asked to (``pseudo_label_quality``, the loop's log steps) also scores the pseudo-labels its
+forwards trained on against the batch's true boxes (``wsod.engine.pseudo_label_quality``): the forward
+keeps its records (``keep`` ``"pseudo_labels"``), they are counted before the backward and dropped, and
+the ``pseudo/`` values join the step's ``values``. Nothing the step computes changes.
 """
 
 from __future__ import annotations
@@ -24,6 +29,7 @@ from wsod.data.loader import model_inputs
 from wsod.distributed import all_reduce_mean
 from wsod.engine.amp import autocast
 from wsod.engine.companion import Companion
+from wsod.engine.pseudo_label_quality import PseudoLabelQuality
 from wsod.modeling.method import TrainingProgress
 
 __all__ = ["StepResult", "NonFiniteParametersError", "train_step", "check_companions"]
@@ -34,7 +40,8 @@ class StepResult:
     """What one optimizer step did.
 
     values: the step's losses (the mean over its batches and over processes), ``loss_total``,
-        ``grad_norm`` when measured, and the companions' values, for the log;
+        ``grad_norm`` when measured, the companions' values and, when asked, the ``pseudo/`` quality
+        of its pseudo-labels, for the log;
     applied: whether the update was applied;
     problem: why it was skipped (None when applied).
     """
@@ -69,20 +76,26 @@ def train_step(
     scaler: torch.amp.GradScaler | None = None,
     companions: Sequence[Companion] = (),
     progress: TrainingProgress | None = None,
+    pseudo_label_quality: bool = False,
 ) -> StepResult:
     """One optimizer step of ``model`` (on ``device``, possibly DDP-wrapped) on the next
     ``accumulation`` batches of ``batches`` (``wsod.data.loader.collate`` dicts). ``amp``: the resolved
     precision (None, "bf16", "fp16"; ``wsod.engine.amp.resolve_amp``); ``scaler``: the fp16 GradScaler
     (a disabled one when None); ``progress``: where the training stands, passed to every forward
-    (``progress=``) when given. Leaves no gradient behind. Raises ``NonFiniteParametersError`` when an
-    applied update made a parameter non-finite (the caller says which checkpoint holds the last finite
-    weights)."""
+    (``progress=``) when given; ``pseudo_label_quality``: add the ``pseudo/`` values of its pseudo-labels
+    (the module docstring; a collective under DDP, so every process must ask at the same step, and the
+    model must keep ``"pseudo_labels"``). Leaves no gradient behind. Raises ``NonFiniteParametersError``
+    when an applied update made a parameter non-finite (the caller says which checkpoint holds the last
+    finite weights)."""
     scaler = scaler if scaler is not None else torch.amp.GradScaler(device.type, enabled=False)
     buffers = _copy_buffers(model)  # restored if the step is skipped
+    quality = PseudoLabelQuality(device) if pseudo_label_quality else None
     losses, inputs = _forward_backward(
-        model, batches, device, accumulation, amp, scaler, companions, progress
+        model, batches, device, accumulation, amp, scaler, companions, progress, quality
     )
     values = _reduce_losses(losses)
+    if quality is not None:
+        values.update(quality.values())
     problem = _step_problem(values, model, optimizer, scaler)
     if problem is None:
         scaler.step(optimizer)
@@ -111,13 +124,16 @@ def _forward_backward(
     scaler: torch.amp.GradScaler,
     companions: Sequence[Companion],
     progress: TrainingProgress | None = None,
+    quality: PseudoLabelQuality | None = None,
 ) -> tuple[dict[str, torch.Tensor], list[dict[str, Any]]]:
     """The ``accumulation`` forward and backward passes of one optimizer step. Returns the step's losses
     (the mean over its batches, detached, plus ``loss_total``) and, when a companion needs them, its
     batches' model inputs with the companions' forward arguments (else none: each batch is freed after
-    its backward)."""
+    its backward). ``quality``, when given, counts each forward's pseudo-labels."""
     combiner = next((c for c in companions if c.combines_losses), None)
     keep = combiner.keep if combiner is not None else frozenset()
+    if quality is not None:
+        keep = frozenset(keep) | {"pseudo_labels"}
     keep_inputs = any(c.needs_inputs for c in companions)
     step_losses: dict[str, torch.Tensor] = {}
     step_inputs = []
@@ -136,6 +152,8 @@ def _forward_backward(
         with model.no_sync() if not sync else nullcontext(), autocast(device, amp):
             output = model(**inputs, keep=keep)
             losses = output.losses
+            if quality is not None:  # before the backward, and the records are dropped with the output
+                quality.add(output, inputs.get("targets"))
             total = combiner.combine(output) if combiner is not None else sum(losses.values())
             # Dropped before the backward, which frees the (R, D) ROI features once the heads' gradients
             # are computed: held here, they would stay alive at the neck's peak (kilobytes per ROI).

@@ -10,8 +10,9 @@ rows of ``metrics.jsonl`` and tensorboard go through the caller's ``RunLog``; on
 ``wsod.engine.step.train_step`` (the ROI benchmark runs the same); the optional extras (the adversarial
 DropBlock step, GradNorm, the EMA teacher) are ``Companion``s called at fixed points of each step
 (``wsod.engine.companion`` draws them); the tensorboard images of each student's pseudo-labels are
-the optional ``PseudoLabelPreview``'s. The caller writes ``config.yaml`` and ``log.txt`` and runs the
-final evaluation (``wsod.runs.train``).
+the optional ``PseudoLabelPreview``'s; the ``pseudo/`` precision of the pseudo boxes in the log rows is
+``wsod.engine.pseudo_label_quality``'s (``pseudo_label_quality``). The caller writes ``config.yaml``
+and ``log.txt`` and runs the final evaluation (``wsod.runs.train``).
 """
 
 from __future__ import annotations
@@ -70,6 +71,7 @@ def train(
     max_nonfinite: int = 10,
     progress: bool = True,
     preview: PseudoLabelPreview | None = None,
+    pseudo_label_quality: bool = False,
 ) -> dict[str, Any]:
     """Train ``model`` (already on ``device``, possibly DDP-wrapped) for ``max_iter`` optimizer steps.
 
@@ -112,6 +114,13 @@ def train(
             in the step's precision; none at iteration 0 (the untrained heads' labels, and a resumed
             run would log its start twice). It changes nothing in the run: no weight, statistic or
             random state, and its seconds are left out of ``seconds_per_iter``.
+        pseudo_label_quality: at every logged step (each multiple of ``log_period``, and the last), the
+            step's forwards keep the pseudo-labels they trained on and its row gets their precision
+            against the batch's true boxes (``pseudo/precision_k``, ``pseudo/boxes_k``,
+            ``pseudo/precision_teacher``; ``wsod.engine.pseudo_label_quality``), on every process (the
+            counts are summed over them). No key when the batch's images carry no true boxes. It
+            changes nothing in the run. The model must keep ``"pseudo_labels"`` (the weakly-supervised
+            detector; not the second stage's Faster R-CNN).
 
     Returns a summary: final iteration, skipped steps, last losses, the last periodic evaluation and
     the best one.
@@ -137,11 +146,13 @@ def train(
     with _progress_bar(max_iter, state.iteration, shown=main and progress) as bar, StopRequests() as stop:
         step_start, logged_at = time.perf_counter(), state.iteration
         while state.iteration < max_iter:
+            # Decided from the iteration alone, the same on every process (its counts are summed).
+            measure = pseudo_label_quality and _logged(state.iteration + 1, log_period, max_iter)
             try:
                 step = train_step(
                     model, optimizer, batches, device=device, accumulation=accumulation, amp=amp,
                     scaler=scaler, companions=companions,
-                    progress=TrainingProgress(state.iteration, max_iter),
+                    progress=TrainingProgress(state.iteration, max_iter), pseudo_label_quality=measure,
                 )  # fmt: skip
             except NonFiniteParametersError as error:
                 raise NonFiniteLossError(_parameters_message(state.iteration + 1, checkpointer)) from error
@@ -160,7 +171,7 @@ def train(
             state.iteration += 1
             bar.update(1)
 
-            if main and (state.iteration % log_period == 0 or state.iteration == max_iter):
+            if main and _logged(state.iteration, log_period, max_iter):
                 # Per step of this window: the last one (at max_iter) may be shorter than log_period.
                 seconds = (time.perf_counter() - step_start) / (state.iteration - logged_at)
                 _log_step(run_log, bar, state.iteration, max_iter, values, lr, seconds, device)
@@ -196,6 +207,12 @@ def train(
 
 def _unwrap(model: nn.Module) -> nn.Module:
     return model.module if isinstance(model, nn.parallel.DistributedDataParallel) else model
+
+
+def _logged(iteration: int, log_period: int, max_iter: int) -> bool:
+    """Whether the step that ends at ``iteration`` gets a log row: each multiple of ``log_period``, and
+    the last."""
+    return iteration % log_period == 0 or iteration == max_iter
 
 
 def _payload(

@@ -273,6 +273,19 @@ class CBLMethod(RefinementMethod):
         """The teacher's per-ROI probabilities (R, C+1): the softmax of its copy of student K."""
         return scores.students[-1]
 
+    def teacher_pseudo_boxes(
+        self, teacher: RoiScores, proposals: Sequence[Tensor], targets: Sequence[Mapping[str, Tensor]]
+    ) -> list[PseudoBoxes]:
+        """Per image-view, the teacher's top-1 seeds (``top1_seeds`` of its probabilities, clipped): the
+        seeds the ranking distillation teaches the MIL head with, recomputed here for the training log
+        (``pseudo/precision_teacher``). One set, from the teacher's one classifier (its copy of student
+        K), not one per student."""
+        scores = self.teacher_scores(teacher).detach().split([len(p) for p in proposals])
+        return [
+            top1_seeds(boxes, probs[:, 1:], target["labels"], score_clip=self.score_clip)
+            for boxes, probs, target in zip(proposals, scores, targets, strict=True)
+        ]
+
     # -- the schedule -----------------------------------------------------------------------------------
 
     def mil_loss_weight(self, progress: TrainingProgress | None) -> float:

@@ -248,8 +248,11 @@ class WeaklySupervisedDetector(nn.Module):
         schedule. ``keep`` (``TRAINING_EXTRAS``): also return the (R, D) ROI features the losses were computed
         from, the boundary between the neck and the heads where GradNorm measures gradient norms
         (``wsod.engine.gradnorm``), and each loss's detached pseudo-label weight scale
-        (``RefinementMethod.loss_scales``; 1 for ``loss_mil`` and for losses the method gives none);
-        through DistributedDataParallel too, which only sees ``forward``.
+        (``RefinementMethod.loss_scales``; 1 for ``loss_mil`` and for losses the method gives none),
+        and the students' ``PseudoLabels`` records the losses were computed from, with the EMA teacher's
+        pseudo boxes when ``teacher_scores`` are given (``TrainingOutput.pseudo_labels``,
+        ``teacher_pseudo_boxes``: the same records, kept rather than recomputed, so asking for them
+        changes no loss); through DistributedDataParallel too, which only sees ``forward``.
         """
         keep = check_keep(keep)
         self._check_inputs(images, proposals, views)
@@ -259,15 +262,24 @@ class WeaklySupervisedDetector(nn.Module):
         roi_features = self.roi_features(images, proposals)
         if self.training:
             scales: dict[str, Tensor] | None = {} if "loss_scales" in keep else None
+            records: list[list[PseudoLabels]] | None = [] if "pseudo_labels" in keep else None
             losses = self._full_precision_losses(
-                roi_features, proposals, image_labels, targets, scales, views, teacher_scores, progress
-            )
+                roi_features, proposals, image_labels, targets, scales, views, teacher_scores, progress,
+                records,
+            )  # fmt: skip
             output = TrainingOutput(losses)
             if "roi_features" in keep:
                 output.roi_features = roi_features
             if scales is not None:
                 one = losses["loss_mil"].new_ones(())
                 output.loss_scales = {name: scales.get(name, one) for name in losses}
+            if records is not None:
+                output.pseudo_labels = records
+                if teacher_scores is not None:
+                    with torch.no_grad(), _autocast_off(roi_features):  # as the losses' own
+                        output.teacher_pseudo_boxes = self.method.teacher_pseudo_boxes(
+                            teacher_scores, proposals, targets
+                        )
             return output
         padded = (images.shape[-2], images.shape[-1])
         image_sizes = image_sizes or [padded] * len(proposals)
@@ -373,11 +385,12 @@ class WeaklySupervisedDetector(nn.Module):
         views: int = 1,
         teacher_scores: RoiScores | None = None,
         progress: TrainingProgress | None = None,
+        records: list[list[PseudoLabels]] | None = None,
     ) -> dict[str, Tensor]:
         with _autocast_off(roi_features):
             features = _full_precision(roi_features)
             return self._losses(
-                features, proposals, image_labels, targets, scales, views, teacher_scores, progress
+                features, proposals, image_labels, targets, scales, views, teacher_scores, progress, records
             )
 
     def _losses(
@@ -390,8 +403,10 @@ class WeaklySupervisedDetector(nn.Module):
         views: int = 1,
         teacher_scores: RoiScores | None = None,
         progress: TrainingProgress | None = None,
+        records: list[list[PseudoLabels]] | None = None,
     ) -> dict[str, Tensor]:
-        """The losses; ``scales``, when given, is filled with the method's ``loss_scales``."""
+        """The losses; ``scales``, when given, is filled with the method's ``loss_scales``, and
+        ``records``, when given, with each student's per-image ``PseudoLabels`` (student 1's first)."""
         counts = [len(p) for p in proposals]
         mil_scores = self.mil_head(roi_features, counts)  # (R, C+1)
         losses = {"loss_mil": mil_loss(mil_scores, counts, image_labels)}
@@ -399,13 +414,15 @@ class WeaklySupervisedDetector(nn.Module):
         if mil_weight != 1.0:
             losses["loss_mil"] = losses["loss_mil"] * mil_weight
         student_logits = []
-        for k, logits, deltas, records in self._students_and_records(
+        for k, logits, deltas, student_records in self._students_and_records(
             roi_features, proposals, mil_scores, targets
         ):
             student_logits.append(logits)
-            losses.update(self.method.losses(k, logits, deltas, records, proposals))
+            losses.update(self.method.losses(k, logits, deltas, student_records, proposals))
             if scales is not None:
-                scales.update(self.method.loss_scales(k, records))
+                scales.update(self.method.loss_scales(k, student_records))
+            if records is not None:
+                records.append(student_records)
         batch = MethodBatch(
             proposals=proposals, targets=targets, views=views, mil_scores=mil_scores,
             student_logits=tuple(student_logits), teacher=teacher_scores,

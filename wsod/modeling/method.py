@@ -36,7 +36,9 @@ A method may own heads besides the students (``build_heads``: CBL's R-CNN head);
 them on the same ROI features, passes their outputs in ``MethodBatch.heads`` and asks the method what
 it predicts with (``detection``). It may weigh the MIL loss by the training's progress
 (``mil_loss_weight``), say which student tensors an EMA teacher's tensors follow (``teacher_sources``)
-and how its predictions mix with its teacher's at test time (``mix_predictions``).
+and how its predictions mix with its teacher's at test time (``mix_predictions``), and name the EMA
+teacher's own pseudo boxes (``teacher_pseudo_boxes``), which the training log scores against the true
+boxes (``pseudo/precision_teacher``, ``wsod.engine.pseudo_label_quality``) and nothing trains on.
 """
 
 from __future__ import annotations
@@ -315,6 +317,17 @@ class RefinementMethod(ABC):
         (``wsod.engine.ema.EMATeacher``'s ``sources``; names as in the detector's ``state_dict``).
         Default: none."""
         return {}
+
+    def teacher_pseudo_boxes(
+        self, teacher: RoiScores, proposals: Sequence[Tensor], targets: Sequence[Mapping[str, Tensor]]
+    ) -> list[tuple[Tensor, Tensor, Tensor]] | None:
+        """The EMA teacher's pseudo boxes on a training batch, for the training log only
+        (``pseudo/precision_teacher``): per image-view, (boxes (G, 4) in its pixels, classes (G,) int64
+        in 0..C-1, scores (G,)), from the teacher's ``RoiScores`` on the batch's ROIs and the
+        ``proposals`` / ``targets`` of ``MethodBatch``. Called without gradients at log steps only; it
+        must draw no random number and change nothing, so a run logs it without training differently.
+        Default: None (no teacher pseudo boxes to score)."""
+        return None
 
     def loss_scales(self, student: int, records: Sequence[PseudoLabels]) -> dict[str, Tensor]:
         """How much pseudo-label weight each of the student's losses carries on this batch: a detached

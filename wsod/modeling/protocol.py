@@ -8,10 +8,11 @@ benchmarks use these members and nothing else; none of them asks a model for its
 Training (``model.train()``): ``model(**model_inputs(batch), **teacher_inputs, keep=...)`` returns one
 ``TrainingOutput``: the named losses (``loss_names``, in that order), plus the (R, D) ROI features and
 each loss's pseudo-label weight scale when ``keep`` asks for them (a companion that combines the losses,
-GradNorm, does). ``views`` (the batch's, ``wsod.data.loader``): the batch holds B images x V views,
-flattened image-major (row ``i * V + v``). ``progress`` (``wsod.modeling.method.TrainingProgress``):
-where the training stands, which the training step passes to every forward (a model whose losses follow
-no schedule ignores it).
+GradNorm, does), and the pseudo-labels the losses were computed from (the training log's pseudo-label
+quality asks, at its log steps; a detector without pseudo-labels refuses it). ``views`` (the batch's,
+``wsod.data.loader``): the batch holds B images x V views, flattened image-major (row ``i * V + v``).
+``progress`` (``wsod.modeling.method.TrainingProgress``): where the training stands, which the training
+step passes to every forward (a model whose losses follow no schedule ignores it).
 
 Prediction, one test view at a time (``wsod.engine.inference.predict``): ``predict_view`` gives one
 opaque record per image of the batch, in original pixels with flips undone; ``merge_views`` turns one
@@ -30,10 +31,13 @@ from __future__ import annotations
 
 from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any, Protocol, runtime_checkable
+from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
 import torch
 from torch import Tensor, nn
+
+if TYPE_CHECKING:  # annotations only: the method seam sits beside this contract
+    from wsod.modeling.method import PseudoLabels
 
 __all__ = [
     "DetectionSettings",
@@ -46,7 +50,7 @@ __all__ = [
 ]
 
 # What a training forward's ``keep`` may ask for besides the losses (``TrainingOutput``'s optional fields).
-TRAINING_EXTRAS = ("roi_features", "loss_scales")
+TRAINING_EXTRAS = ("roi_features", "loss_scales", "pseudo_labels")
 # The module groups every detector names (``Detector.module_groups``), which ``solver.ema.follow`` lists.
 MODULE_GROUPS = ("backbone", "neck", "heads")
 
@@ -71,11 +75,19 @@ class TrainingOutput:
         drops it before the backward, which frees it once the heads' gradients are computed.
     loss_scales: each loss's detached pseudo-label weight scale (``RefinementMethod.loss_scales``; 1 for
         losses the method gives none), when ``keep`` holds ``"loss_scales"``.
+    pseudo_labels: ``[student k - 1][image i]`` the ``PseudoLabels`` records each student's losses were
+        computed from (``wsod.modeling.method``), when ``keep`` holds ``"pseudo_labels"``;
+    teacher_pseudo_boxes: with it, per image (boxes (G, 4), classes (G,) int64 in 0..C-1, scores (G,))
+        the EMA teacher's pseudo boxes (``RefinementMethod.teacher_pseudo_boxes``), or None when the
+        run has no teacher or the method names none. Both are detached and for looking at only (the
+        training log's ``pseudo/*`` values, ``wsod.engine.pseudo_label_quality``).
     """
 
     losses: dict[str, Tensor]
     roi_features: Tensor | None = None
     loss_scales: dict[str, Tensor] | None = None
+    pseudo_labels: list[list[PseudoLabels]] | None = None
+    teacher_pseudo_boxes: list[tuple[Tensor, Tensor, Tensor]] | None = None
 
 
 def check_keep(keep: Collection[str]) -> frozenset[str]:

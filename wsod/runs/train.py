@@ -164,7 +164,7 @@ def _train_in(run_dir: Path, cfg: DictConfig, device: torch.device) -> dict[str,
         evaluator=evaluator, metadata=metadata, resume_from=resume_from, resumed_at=resumed_at,
         companions=companions,
         preview=build_pseudo_label_preview(cfg, train_set, device) if main else None,  # main process only
-        after_copypaste=_quick_start_note(),
+        after_copypaste=_quick_start_note(), pseudo_label_quality=True,
     )  # fmt: skip
 
 
@@ -275,6 +275,7 @@ def train_and_evaluate(
     preview: PseudoLabelPreview | None = None,
     make_batches: Callable[[int], Iterator[dict[str, Any]]] | None = None,
     after_copypaste: Callable[[dict[str, float]], str] | None = None,
+    pseudo_label_quality: bool = False,
 ) -> dict[str, Any]:
     """The rest of a training entry point, once its model and data exist: DDP under torchrun, the
     loader, the checkpointer (``metadata`` in every file), the loop (``wsod.engine.train``), the final
@@ -282,7 +283,9 @@ def train_and_evaluate(
     and ``final`` (the final metrics). ``make_batches``: the loop's batch stream (``start`` -> batches
     from the ``start``-th on); None: ``train_set``'s loader (``build_loader``), endless.
     ``after_copypaste``: final metrics -> a sentence the final report holds after its ``copypaste:``
-    line (the quick start's range)."""
+    line (the quick start's range). ``pseudo_label_quality``: log the precision of the pseudo boxes
+    against the training images' true boxes (``wsod.engine.train.train``'s; the first stage's detector
+    only)."""
     main = is_main_process()
     wrapped = model
     if get_world_size() > 1:
@@ -301,7 +304,7 @@ def train_and_evaluate(
             accumulation=cfg.solver.accumulation, amp=cfg.solver.amp, resume_from=resume_from,
             log_period=cfg.log_period, evaluator=evaluator, eval_period=cfg.eval_period,
             companions=companions, max_nonfinite=cfg.max_nonfinite, progress=cfg.progress,
-            preview=preview,
+            preview=preview, pseudo_label_quality=pseudo_label_quality,
         )  # fmt: skip
         final = _final_evaluation(
             evaluation_model(model, companions), evaluator, run_dir, cfg.random_baseline
