@@ -695,7 +695,7 @@ def ensure_toy_voc_dataset(
     progress: bool = False,
 ) -> ToyVOCDataset:
     """The VOC-like set at ``root`` (relative to the working directory), generated first if absent
-    (about 25 minutes on 2 CPU cores for the full set, Selective Search most of it).
+    (about 12 minutes on 2 CPU cores for the full set, Selective Search most of it).
 
     ``num_train`` / ``num_test`` make smaller variants (for tests). A folder made with other settings, by
     another generator version or half-written is an error rather than silently reused: another
