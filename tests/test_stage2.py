@@ -106,6 +106,34 @@ def test_an_export_does_not_overwrite_an_earlier_one_unless_asked(pipeline, tiny
         )
 
 
+def test_a_ground_truth_export_holds_every_annotated_box_but_the_difficult_ones(tiny_toy_root, tmp_path):
+    out = tmp_path / "true_boxes"
+    overrides = ["ground_truth=true", f"output_dir={out}", *_short(tiny_toy_root, "export")]
+    summary = export_from_config(_compose("export", overrides))
+    toy = ensure_toy_dataset(tiny_toy_root, **TINY_TOY).dataset("trainval")
+    coco = COCO(str(out / "pseudo_labels.json"))
+    assert len(coco.imgs) == len(toy.records) == summary["images"]
+    for record in toy.records:  # a naive reference: the record's own annotation, box by box
+        annotations = coco.loadAnns(coco.getAnnIds(imgIds=[int(record.image_id)]))
+        kept = [i for i in range(len(record.gt_labels)) if not record.gt_difficult[i]]
+        assert sorted(a["category_id"] - 1 for a in annotations) == sorted(record.gt_labels[kept].tolist())
+        written = sorted(tuple(a["bbox"]) for a in annotations)
+        expected = sorted((x1, y1, x2 - x1, y2 - y1) for x1, y1, x2, y2 in record.gt_boxes[kept].tolist())
+        assert written == pytest.approx(expected)
+        assert all(a["score"] == 1.0 for a in annotations)
+    assert summary["quality"]["precision"] == 1.0 and summary["quality"]["recall"] == 1.0
+
+
+def test_an_export_takes_its_boxes_from_exactly_one_source(tiny_toy_root, tmp_path):
+    data = _short(tiny_toy_root, "export")
+    with pytest.raises(ConfigError, match="checkpoint=null: name a trained run's checkpoint"):
+        export_from_config(_compose("export", data))
+    with pytest.raises(ConfigError, match="with ground_truth=true: the boxes come from one of them"):
+        export_from_config(_compose("export", ["ground_truth=true", "checkpoint=x.pth", *data]))
+    with pytest.raises(ConfigError, match="output_dir=null with ground_truth=true: name the folder"):
+        export_from_config(_compose("export", ["ground_truth=true", *data]))
+
+
 def test_predict_takes_a_second_stage_checkpoint_without_selective_search(
     pipeline, tiny_toy_root, tmp_path, caplog
 ):

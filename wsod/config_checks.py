@@ -347,7 +347,7 @@ STAGE2_RULES: dict[str, _Rule] = {
 # tools/export_pseudo_labels.py (configs/export.yaml).
 EXPORT_RULES: dict[str, _Rule] = {
     **{key: rule for key, rule in _COMMON.items() if key != "random_baseline"},
-    "checkpoint": _path("checkpoint=runs/my_run/model_final.pth"),
+    "checkpoint": _optional_path("checkpoint=runs/my_run/model_final.pth"),
     "rule.min_score": _number(0, 1),
     "rule.containment": _Rule(
         lambda v: v is None or (_is_number(v) and 0 < v <= 1), "null or a number > 0 and <= 1"
@@ -355,6 +355,24 @@ EXPORT_RULES: dict[str, _Rule] = {
     "rule.containment_exempt": _CLASSES_OR_EMPTY,
     "detections_per_image": _integer(1, optional=True),
 }
+
+
+def _export_source_problems(flat: Mapping[str, Any]) -> list[str]:
+    """tools/export_pseudo_labels.py reads boxes from exactly one place: a checkpoint or the annotations."""
+    checkpoint, truth = flat.get("checkpoint"), flat.get("ground_truth")
+    if truth is True and checkpoint is not None:
+        return [
+            f"checkpoint={_show(checkpoint)} with ground_truth=true: the boxes come from one of them; drop"
+            " the checkpoint to write the annotated boxes, or ground_truth=true to export the checkpoint's"
+        ]
+    if truth is True and flat.get("output_dir") is None:
+        return ["output_dir=null with ground_truth=true: name the folder, e.g. output_dir=runs/true_boxes"]
+    if truth is not True and checkpoint is None:
+        return [
+            "checkpoint=null: name a trained run's checkpoint (checkpoint=runs/my_run/model_final.pth),"
+            " or ground_truth=true output_dir=runs/true_boxes for the annotated boxes"
+        ]
+    return []
 
 
 _FASTER_RCNN_LOSSES = ("loss_classifier", "loss_box_reg", "loss_objectness", "loss_rpn_box_reg")
@@ -446,6 +464,8 @@ def check_config(cfg: DictConfig | Mapping[str, Any], rules: Mapping[str, _Rule]
         problems += _teacher_problems(flat)
         method, method_problems = _method_problems(values.get("method"))
         problems += method_problems + _gradnorm_problems(values, method)
+    if rules is EXPORT_RULES:
+        problems += _export_source_problems(flat)
     if problems:
         raise ConfigError("invalid configuration:\n  " + "\n  ".join(problems))
 

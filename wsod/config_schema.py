@@ -614,7 +614,10 @@ class PseudoLabelRule:
 class ExportRun(Entry):
     """tools/export_pseudo_labels.py (configs/export.yaml)."""
 
-    checkpoint: str = MISSING  # required: the .pth file of a trained run
+    checkpoint: Optional[str] = None  # the .pth file of a trained run (required unless ground_truth)
+    # true: the training sets' annotated boxes, not a checkpoint's (the fully supervised bound: the second
+    # stage trained on the true boxes); needs output_dir and no checkpoint
+    ground_truth: bool = False
     output_dir: Optional[str] = None  # null: <the checkpoint's folder>/pseudo_labels
     overwrite: bool = False  # an existing pseudo_labels.json there is refused unless true
     rule: PseudoLabelRule = field(default_factory=PseudoLabelRule)

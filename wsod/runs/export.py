@@ -10,6 +10,10 @@ evaluation's test-time augmentation), every detection after the model's NMS kept
 instances json, ``wsod.data.pseudo_boxes``), ``summary.json`` (images, boxes per image, boxes per class,
 labels given the whole image, and, where the training set has ground-truth boxes, the pseudo boxes'
 precision and recall at IoU 0.5 per class), ``log.txt`` with the same table.
+
+``ground_truth=true`` (no checkpoint, an ``output_dir``) writes the training sets' annotated boxes instead,
+less the ``difficult`` ones: the file for the fully supervised bound (a second stage on the true boxes,
+docs/RESULTS.md).
 """
 
 from __future__ import annotations
@@ -45,6 +49,7 @@ def export_from_config(cfg: DictConfig) -> dict[str, Any]:
     """Export the pseudo boxes of ``cfg.checkpoint`` on ``cfg.data``'s training sets (module docstring);
     returns the summary. One process."""
     check_config(cfg, EXPORT_RULES)
+    # ground_truth=true has no checkpoint folder: check_config has made sure output_dir is named then
     output_dir = cfg.output_dir or str(Path(cfg.checkpoint).parent / "pseudo_labels")
     return run_in_directory(cfg, output_dir, "runs/export", _export_in, claim=_refuse_overwrite)
 
@@ -68,6 +73,8 @@ def _rule(cfg: DictConfig, classes: list[str]) -> PseudoBoxRule:
 
 def _export_in(out_dir: Path, cfg: DictConfig, device: torch.device) -> dict[str, Any]:
     logger.info("command: %s", " ".join(sys.argv))
+    if cfg.ground_truth:
+        return _export_ground_truth(out_dir, cfg)
     model, metadata = load_detector(cfg.checkpoint, device, trust=cfg.trust_checkpoint)
     classes = list(metadata["classes"])
     prepare_data(cfg.data, progress=cfg.progress)
@@ -113,6 +120,46 @@ def _export_in(out_dir: Path, cfg: DictConfig, device: torch.device) -> dict[str
         },
         "views": {"scales": list(test.scales), "max_size": test.max_size, "flip": bool(test.flip)},
     }
+    return _write(out_dir, records, chosen, classes, category_ids, info, whole_image, sets)
+
+
+def _export_ground_truth(out_dir: Path, cfg: DictConfig) -> dict[str, Any]:
+    """The training sets' annotated boxes as the pseudo-label file: what a second stage trained on them
+    reaches is the fully supervised bound of the first stages' results. The ``difficult`` objects are left
+    out, as they are from the image labels (``wsod.data.voc``), so the bound is supervised on exactly the
+    objects the weak labels name; each box scores 1."""
+    prepare_data(cfg.data, progress=cfg.progress)
+    sets = build_export_datasets(cfg.data)
+    if not all(d.has_ground_truth for d in sets):
+        raise ValueError(
+            f"ground_truth=true: data.train.sets={[dict(s) for s in cfg.data.train.sets]} have images without"
+            " annotated boxes; the true boxes need a data config whose training images are annotated"
+        )
+    classes = list(sets[0].classes)
+    records = [r for d in sets for r in d.records]
+    _check_distinct_ids(records)
+    chosen = []
+    for truth in (t for d in sets for t in d.ground_truth()):
+        kept = ~truth["difficult"]
+        labels = truth["labels"][kept]
+        chosen.append({"boxes": truth["boxes"][kept], "labels": labels, "scores": torch.ones(len(labels))})
+    logger.info("exporting the annotated boxes of %d training images as pseudo labels", len(records))
+    category_ids = list(getattr(sets[0], "category_ids", range(1, len(classes) + 1)))
+    info = {"description": "wsod ground-truth boxes (tools/export_pseudo_labels.py ground_truth=true)"}
+    return _write(out_dir, records, chosen, classes, category_ids, info, 0, sets)
+
+
+def _write(
+    out_dir: Path,
+    records: list,
+    chosen: list[dict],
+    classes: list[str],
+    category_ids: list[int],
+    info: dict[str, Any],
+    whole_image: int,
+    sets: list,
+) -> dict[str, Any]:
+    """Write the pseudo-label json and its summary into ``out_dir``; returns the summary."""
     content = pseudo_boxes_json(records, chosen, classes, category_ids, info)
     write_pseudo_boxes(content, out_dir / PSEUDO_LABELS_FILE)
     summary = _summary(records, chosen, classes, whole_image, sets)
