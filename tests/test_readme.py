@@ -156,7 +156,13 @@ def test_each_documented_command_is_valid(document, command, monkeypatch):
             cfg = OmegaConf.masked_copy(cfg, [key for key in cfg if key != "hydra"])
             for word in arguments:  # a required value shown as a placeholder (checkpoint=...) is the reader's
                 key = word.split("=", 1)[0]
-                if _is_placeholder(word) and "=" in word and OmegaConf.is_missing(cfg, key):
+                if (
+                    _is_placeholder(word)
+                    and "=" in word
+                    and (
+                        OmegaConf.is_missing(cfg, key) or OmegaConf.select(cfg, key) is None  # or optional
+                    )
+                ):
                     OmegaConf.update(cfg, key, "placeholder")
             check_config(cfg, rules)
         return
