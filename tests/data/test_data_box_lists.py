@@ -30,7 +30,7 @@ def test_a_json_of_boxes_is_read_per_image_with_its_scores(tmp_path):
         {"image_id": "000007", "bbox": [0, 0, 5, 5], "score": 0.1},
         {"image_id": 5, "bbox": [1.5, 2, 3, 4], "score": 0.3},
     ]
-    for content in (entries, {"annotations": entries, "images": []}):
+    for content in (entries, {"annotations": entries, "images": [{"id": 5}, {"id": "000007"}]}):
         proposals = load_proposals(_json(tmp_path / "boxes.json", content))
         np.testing.assert_allclose(proposals["000005"], [[10, 20, 40, 60], [1.5, 2, 4.5, 6]])  # x + w, y + h
         np.testing.assert_allclose(proposals.scores(5), [0.9, 0.3])
@@ -51,6 +51,17 @@ JSON_CASES = {
         r"entry 1 \(image_id 6\) has no score, entry 0 has one: give every box a score, or none",
     ),
     "empty": ([], r"no box"),
+    "unknown image": (
+        {
+            "images": [{"id": 5}],
+            "annotations": [{"image_id": 5, "bbox": [0, 0, 4, 4]}, {"image_id": 9, "bbox": [0, 0, 4, 4]}],
+        },
+        r'entry 1 \(image_id 9\): the image_id is not in the file\'s "images" list',
+    ),
+    "images": (
+        {"images": [5], "annotations": [{"image_id": 5, "bbox": [0, 0, 4, 4]}]},
+        r'"images" is a list',
+    ),
 }
 
 
@@ -193,6 +204,19 @@ def test_make_proposals_converts_a_json_of_boxes_to_a_store(tmp_path):
     )  # fmt: skip
     assert result.returncode == 0, result.stderr
     np.testing.assert_allclose(load_proposals(destination).scores(5), [0.9])
+
+
+def test_make_proposals_refuses_a_json_whose_box_names_an_image_it_does_not_list(tmp_path):
+    content = {"images": [{"id": 5}], "annotations": [{"image_id": 7, "bbox": [0, 0, 9, 9]}]}
+    source = _json(tmp_path / "coco.json", content)
+    destination = tmp_path / "coco.proposals"
+    result = subprocess.run(
+        [sys.executable, "tools/make_proposals.py", "convert", str(source), str(destination)],
+        cwd=ROOT, capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert result.returncode != 0 and not destination.exists()
+    last = result.stderr.strip().splitlines()[-1]
+    assert str(source) in last and "image_id 7" in last and '"images"' in last, result.stderr
 
 
 def test_the_union_of_proposal_sets_joins_each_images_boxes_in_order(tmp_path):

@@ -4,7 +4,8 @@ convert`` turns them into a pickle or a store).
 
 - **A json of boxes** (``.json``): a list of ``{"image_id", "bbox": [x, y, w, h], "score"}`` entries, the
   COCO results format a detector, or a SAM automatic-mask run once its masks' boxes are dumped, writes
-  (data/README.md); an object whose ``"annotations"`` is such a list is read the same way. ``score`` is
+  (data/README.md); an object whose ``"annotations"`` is such a list is read the same way, and when it
+  also has COCO's ``"images"`` list every box's image_id must be one of its ids. ``score`` is
   optional, but then for every entry or none. Boxes are read as COCO's (``x, y, x + w, y + h``:
   ``wsod.data.box_formats.coco_xywh_to_xyxy``, the rule the pseudo-label json follows); an image's boxes
   keep the file's order.
@@ -43,6 +44,18 @@ def _number(value: object) -> bool:
     return isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value)
 
 
+def _listed_image_ids(path: str | os.PathLike, content: object) -> set[ImageId] | None:
+    """The ids of a COCO-style json's ``"images"`` list, which every box's image_id must name (a box of an
+    image the file does not list is a broken file, not a new image); None when there is no such list (a
+    results-format list of boxes)."""
+    if not isinstance(content, dict) or "images" not in content:
+        return None
+    images = content["images"]
+    if not isinstance(images, list) or not all(isinstance(i, dict) and "id" in i for i in images):
+        raise ValueError(f'{path}: "images" is {_a(images)}; expected a list of {{"id", ...}} entries')
+    return {image["id"] for image in images}
+
+
 def read_box_json(path: str | os.PathLike) -> ProposalSet:
     """The boxes (and scores) of a json of boxes (the module docstring), per image in order of first
     appearance."""
@@ -50,6 +63,7 @@ def read_box_json(path: str | os.PathLike) -> ProposalSet:
     entries = content.get("annotations") if isinstance(content, dict) else content
     if not isinstance(entries, list):
         raise ValueError(f"{path}: the json is {_a(content)}; expected {BOX_JSON_LAYOUT}")
+    known = _listed_image_ids(path, content)
     boxes: dict[ImageId, list[list[float]]] = {}
     scores: dict[ImageId, list[float]] = {}
     scored = None  # whether entry 0 has a score: every other entry must agree
@@ -62,6 +76,11 @@ def read_box_json(path: str | os.PathLike) -> ProposalSet:
         where = f"{path}: entry {n} (image_id {image_id!r})"
         if not isinstance(image_id, int | str) or isinstance(image_id, bool):
             raise ValueError(f"{where}: the image_id is neither an integer nor a string")
+        if known is not None and image_id not in known:
+            raise ValueError(
+                f'{where}: the image_id is not in the file\'s "images" list; add the image there or drop'
+                " its boxes"
+            )
         if not (isinstance(bbox, list) and len(bbox) == 4 and all(map(_number, bbox)) and min(bbox[2:]) >= 0):
             raise ValueError(
                 f"{where}: bbox is {bbox!r}; expected [x, y, w, h], four finite numbers, w and h >= 0"
