@@ -242,6 +242,7 @@ def test_the_quick_start_trains_and_evaluates_word_for_word(tmp_path):
     )
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     assert "copypaste: mAP(voc07,iou=0.5)=" in result.stdout
+    assert "\r" not in result.stdout + result.stderr  # a piped run's log: lines, no progress-bar frames
     lines = result.stdout.splitlines()
     at = next(i for i, line in enumerate(lines) if line.startswith("copypaste:"))
     assert lines[at + 1].startswith("quick start: the default toy run lands at mAP")  # in or out: it says

@@ -507,7 +507,7 @@ class Entry:
     # cores: docs/BENCHMARKS.md, CPU threads); null or 0: torch's default.
     threads: Any = "auto"
     trust_checkpoint: bool = False  # true: read checkpoints with the full unpickler, which can run code
-    progress: bool = True  # tqdm progress bars
+    progress: bool = True  # tqdm progress bars, drawn only when stderr is a terminal (wsod/progress.py)
 
 
 @dataclass

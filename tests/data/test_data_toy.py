@@ -145,7 +145,8 @@ def test_full_toy_dataset(tmp_path):
     assert report.at(0.5) >= 0.9
 
 
-def test_generation_shows_progress_and_cleans_up_after_killed_generations(tmp_path, capsys):
+def test_generation_shows_progress_and_cleans_up_after_killed_generations(tmp_path, capsys, monkeypatch):
+    monkeypatch.setattr(sys.stderr, "isatty", lambda: True)  # bars are drawn on a terminal only
     dead = subprocess.run(
         [sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True
     )

@@ -28,12 +28,12 @@ from pathlib import Path
 import cv2
 import numpy as np
 from PIL import Image
-from tqdm import tqdm
 
 from wsod.data.box_formats import to_one_based
 from wsod.data.generated import ensure_generated
 from wsod.data.proposals.selective_search import generate_proposals
 from wsod.data.voc import VOCDataset
+from wsod.progress import progress_bar
 
 __all__ = [
     "OBJECT_SIZE",
@@ -217,7 +217,7 @@ def _write_devkit(
     splits = {"trainval": ids[:num_train], "test": ids[num_train:]}
     splits["train"], splits["val"] = splits["trainval"][0::2], splits["trainval"][1::2]
     present: dict[str, set[int]] = {}
-    for number, image_id in enumerate(tqdm(ids, desc="toy images", disable=not progress, dynamic_ncols=True)):
+    for number, image_id in enumerate(progress_bar(ids, shown=progress, desc="toy images")):
         image, boxes, labels = render_toy_image(seed, number, object_size=object_size)
         Image.fromarray(image).save(base / "JPEGImages" / f"{image_id}.jpg", quality=92)
         (base / "Annotations" / f"{image_id}.xml").write_bytes(

@@ -17,7 +17,6 @@ from collections.abc import Sequence
 import torch
 from torch import Tensor
 from torch.utils.data import DataLoader, Dataset
-from tqdm import tqdm
 
 from wsod.data.dataset import WeakDetectionDataset
 from wsod.data.loader import collate, ignore_interrupts_in_worker, model_inputs
@@ -25,6 +24,7 @@ from wsod.data.transforms import test_transform
 from wsod.distributed import gather_to_main, get_rank, get_world_size
 from wsod.engine.amp import autocast, resolve_amp
 from wsod.modeling.protocol import DetectionSettings, Detector
+from wsod.progress import progress_bar
 
 __all__ = ["MultiViewDataset", "tta_views", "predict", "random_detections"]
 
@@ -102,9 +102,7 @@ def predict(
     was_training = model.training
     model.eval()
     results: Detections = []
-    bar = tqdm(
-        loader, desc=f"predict ({len(views)} views)", disable=not (progress and rank == 0), dynamic_ncols=True
-    )
+    bar = progress_bar(loader, shown=progress and rank == 0, desc=f"predict ({len(views)} views)")
     for batches in bar:
         views = []
         for batch in batches:  # one test view of every image of the batch

@@ -14,12 +14,12 @@ from typing import Any
 
 import torch
 from torch.utils.data import DataLoader, Dataset
-from tqdm import tqdm
 
 from wsod.data.loader import collate, model_inputs
 from wsod.data.proposals import ProposalSet
 from wsod.data.transforms import test_transform
 from wsod.engine.inference import MultiViewDataset
+from wsod.progress import progress_bar
 
 __all__ = ["rpn_proposal_set"]
 
@@ -44,7 +44,7 @@ def rpn_proposal_set(
     views = MultiViewDataset(dataset, [test_transform(scale, max_size)])
     loader = DataLoader(views, batch_size=batch_size, num_workers=num_workers, collate_fn=collate)
     ids, boxes, scores, sizes = [], [], [], []
-    for batch in tqdm(loader, desc="rpn proposals", disable=not progress, dynamic_ncols=True):
+    for batch in progress_bar(loader, shown=progress, desc="rpn proposals"):
         inputs = model_inputs(batch, device)
         found = model.propose(
             inputs["images"], inputs["image_sizes"], inputs["original_sizes"], pre_nms_top_n=pre_nms_top_n,

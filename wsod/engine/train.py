@@ -41,6 +41,7 @@ from wsod.engine.run_log import RunLog
 from wsod.engine.solver import WarmupMultiStepLR, load_optimizer_state
 from wsod.engine.step import NonFiniteParametersError, check_companions, train_step
 from wsod.modeling.method import TrainingProgress
+from wsod.progress import bars_shown
 
 __all__ = ["train", "NonFiniteLossError", "TrainingInterrupted"]
 
@@ -260,6 +261,7 @@ def _check_purged(run_log: RunLog, iteration: int) -> None:
 
 @contextmanager
 def _progress_bar(total: int, initial: int, shown: bool) -> Iterator[tqdm]:
+    shown = bars_shown(shown)
     bar = tqdm(total=total, initial=initial, desc="train", disable=not shown, dynamic_ncols=True)
     try:
         # Log lines go through tqdm.write while the bar is shown, not tearing it.

@@ -21,7 +21,6 @@ from typing import Any
 
 import torch
 from omegaconf import DictConfig
-from tqdm import tqdm
 
 from wsod.build import build_stage2_train_dataset, load_detector, prepare_data
 from wsod.config_checks import SPLIT_RULES, ConfigError, check_config
@@ -33,6 +32,7 @@ from wsod.engine.loss_split import image_losses, lowest_loss
 from wsod.engine.pseudo_boxes import pseudo_box_quality
 from wsod.evaluation.coco import format_percent
 from wsod.modeling.faster_rcnn import ARCHITECTURE
+from wsod.progress import progress_bar
 from wsod.runs.prologue import refuse_to_overwrite, run_in_directory
 
 __all__ = ["split_from_config", "split_scale"]
@@ -94,7 +94,7 @@ def _split_in(out_dir: Path, cfg: DictConfig, device: torch.device) -> dict[str,
         " lowest loss become labelled", len(records), cfg.checkpoint, scale, cfg.positive_fraction, cfg.k,
     )  # fmt: skip
     loader = build_test_loader(dataset, 1, num_workers=cfg.data.test.num_workers)
-    batches = tqdm(loader, desc="split", disable=not cfg.progress, dynamic_ncols=True)
+    batches = progress_bar(loader, shown=cfg.progress, desc="split")
     scores = image_losses(
         model, batches, device=device, seed=cfg.seed, positive_fraction=cfg.positive_fraction
     )

@@ -38,7 +38,6 @@ from typing import NamedTuple
 
 import cv2
 import numpy as np
-from tqdm import tqdm
 
 from wsod.atomic import atomic_write
 from wsod.data.box_formats import opencv_rects_to_xyxy
@@ -47,6 +46,7 @@ from wsod.data.proposals.io import write_proposal_pickle
 from wsod.data.proposals.safe_pickle import load_restricted_pickle
 from wsod.data.proposals.sets import ProposalSet, filter_proposals
 from wsod.data.proposals.store import is_store_path, write_proposal_store
+from wsod.progress import progress_bar
 
 __all__ = ["selective_search", "generate_proposals", "GenerationStats"]
 
@@ -198,8 +198,8 @@ def generate_proposals(
 
     start = time.perf_counter()
     processed, compute = 0, 0.0
-    with tqdm(
-        total=len(images), initial=done, desc="selective search", unit="img", disable=not progress
+    with progress_bar(
+        total=len(images), initial=done, desc="selective search", unit="img", shown=progress
     ) as bar:
         if workers <= 1 or not tasks:
             results, pool = map(_run_shard, tasks), None

@@ -45,12 +45,12 @@ from pathlib import Path
 import cv2
 import numpy as np
 from PIL import Image
-from tqdm import tqdm
 
 from wsod.data.box_formats import to_one_based
 from wsod.data.generated import ensure_generated
 from wsod.data.proposals.selective_search import generate_proposals
 from wsod.data.voc import VOCDataset
+from wsod.progress import progress_bar
 
 __all__ = [
     "AFFINITY_PAIRS",
@@ -653,9 +653,7 @@ def _write_devkit(base: Path, generator_seed: int, splits: dict[str, list[str]],
         (base / folder).mkdir(parents=True, exist_ok=True)
     ids = splits["trainval"] + splits["test"]
     present: dict[str, set[int]] = {}
-    for number, image_id in enumerate(
-        tqdm(ids, desc="toy_voc images", disable=not progress, dynamic_ncols=True)
-    ):
+    for number, image_id in enumerate(progress_bar(ids, shown=progress, desc="toy_voc images")):
         drawn = render_toy_voc_image(generator_seed, number)
         Image.fromarray(drawn.image).save(base / "JPEGImages" / f"{image_id}.jpg", quality=JPEG_QUALITY)
         (base / "Annotations" / f"{image_id}.xml").write_bytes(_annotation_xml(image_id, drawn))

@@ -35,7 +35,6 @@ import numpy as np
 from sklearn.linear_model import LogisticRegression
 from sklearn.pipeline import make_pipeline
 from sklearn.preprocessing import StandardScaler
-from tqdm import tqdm
 
 from wsod.atomic import atomic_write
 from wsod.data.json_files import read_json
@@ -51,6 +50,7 @@ from wsod.data.toy_voc.generator import (
     render_toy_voc_image,
     split_ids,
 )
+from wsod.progress import progress_bar
 
 __all__ = [
     "region_features",
@@ -204,7 +204,7 @@ def toy_voc_stats(
         numbers = [int(i) for i in splits[split]]
         drawn = []
         split_regions = []
-        for number in tqdm(numbers, desc=f"stats {split}", disable=not progress, dynamic_ncols=True):
+        for number in progress_bar(numbers, shown=progress, desc=f"stats {split}"):
             image = render_toy_voc_image(seed, number)
             split_regions.extend(_regions(image))
             drawn.append(_light(image))
