@@ -9,6 +9,7 @@ import math
 import pytest
 import torch
 
+from wsod.data.box_formats import inclusive_nms
 from wsod.modeling.cbl import (
     CBLMethod,
     assign_seeds,
@@ -29,6 +30,11 @@ def _iou(a, b) -> float:
     inter = w * h
     union = (a[2] - a[0]) * (a[3] - a[1]) + (b[2] - b[0]) * (b[3] - b[1]) - inter
     return inter / union
+
+
+def _inclusive_iou(a, b) -> float:
+    """IoU of two inclusive xyxy boxes (Python floats; width x2 - x1 + 1, as the reference's cython)."""
+    return _iou([a[0], a[1], a[2] + 1, a[3] + 1], [b[0], b[1], b[2] + 1, b[3] + 1])
 
 
 def _random_image(seed: int, rois: int, classes: int = 4, *, grid: bool = False):
@@ -90,11 +96,13 @@ def naive_multi_seeds(boxes, branches, labels, *, top_fraction, ratio, nms_iou, 
             order = sorted(range(len(column)), key=lambda i: (-column[i], i))[: min(cap, high)]
             chosen.append(order)
         kept = []
-        for i in chosen[0]:  # greedy NMS in rank order
-            if all(_iou(rois[i], rois[j]) <= nms_iou for j in kept):
+        for i in chosen[0]:  # greedy NMS in rank order, dropped at IoU >= nms_iou (cython_nms.pyx:84)
+            if all(_inclusive_iou(rois[i], rois[j]) < nms_iou for j in kept):
                 kept.append(i)
         for i in kept:
-            n = 1 + sum(any(_iou(rois[i], rois[j]) > vote_iou for j in other) for other in chosen[1:])
+            n = 1 + sum(
+                any(_inclusive_iou(rois[i], rois[j]) > vote_iou for j in other) for other in chosen[1:]
+            )
             score = branches[0][i, c].item() * (offset + (n / len(branches)) ** gamma)
             seeds.append((rois[i], c, score))
     return seeds
@@ -147,6 +155,42 @@ def test_multi_seeds_match_a_naive_loop(seed):
         offset=1.0,
     )
     _assert_seeds_equal(_as_list(got), expected)
+
+
+def test_the_seed_nms_drops_a_box_at_iou_equal_to_its_threshold_as_the_reference():
+    """CBL-WSOD's cython NMS drops at IoU >= 0.4 in inclusive pixels (cython_nms.pyx:44,80-84), where
+    torchvision's nms keeps IoU = 0.4: a 100 x 100 box and its left 40 columns are one seed, not two."""
+    boxes = torch.tensor([[0.0, 0.0, 99.0, 99.0], [0.0, 0.0, 39.0, 99.0], [200.0, 0.0, 239.0, 99.0]])
+    assert _inclusive_iou(boxes[0].tolist(), boxes[1].tolist()) == pytest.approx(0.4, abs=1e-12)
+    for dtype in (torch.float32, torch.float64):
+        column = torch.tensor([[0.9], [0.8], [0.7]], dtype=dtype)
+        seeds = multi_seeds(
+            boxes.to(dtype), [column], torch.ones(1),
+            top_fraction=1.0, score_ratio=0.0, nms_iou=0.4, vote_iou=0.5, vote_gamma=1.0, vote_offset=0.0,
+        )  # fmt: skip
+        assert seeds[0].tolist() == [[0.0, 0.0, 99.0, 99.0], [200.0, 0.0, 239.0, 99.0]]
+        just_above = multi_seeds(
+            boxes.to(dtype), [column], torch.ones(1),
+            top_fraction=1.0, score_ratio=0.0, nms_iou=0.41, vote_iou=0.5, vote_gamma=1.0, vote_offset=0.0,
+        )  # fmt: skip
+        assert len(just_above[0]) == 3
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+@pytest.mark.parametrize("seed", range(6))
+def test_inclusive_nms_matches_the_reference_loop_on_ties(seed, dtype):
+    """Grid boxes, where IoU lands exactly on 0.25, 0.4 or 0.5 often, against the cython rule in Python."""
+    g = torch.Generator().manual_seed(seed)
+    xy = torch.randint(0, 6, (40, 2), generator=g) * 10
+    wh = torch.randint(1, 6, (40, 2), generator=g) * 10
+    boxes = torch.cat([xy, xy + wh - 1], dim=1).to(dtype)  # inclusive: a 10-pixel box spans x .. x + 9
+    scores = torch.randperm(40, generator=g).to(dtype)
+    for threshold in (0.25, 0.4, 0.5):
+        kept = []
+        for i in sorted(range(40), key=lambda i: -scores[i].item()):
+            if all(_inclusive_iou(boxes[i].tolist(), boxes[j].tolist()) < threshold for j in kept):
+                kept.append(i)
+        assert inclusive_nms(boxes, scores, threshold).tolist() == kept
 
 
 def test_multi_seeds_with_fewer_than_20_proposals_take_the_top_one_not_every_proposal():

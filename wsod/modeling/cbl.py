@@ -38,8 +38,9 @@ from typing import Any, ClassVar
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
-from torchvision.ops import box_iou, nms
+from torchvision.ops import box_iou
 
+from wsod.data.box_formats import inclusive_box_iou, inclusive_nms
 from wsod.modeling.box_coder import encode_boxes
 from wsod.modeling.method import MethodBatch, PseudoLabels, RefinementMethod, RoiScores, TrainingProgress
 from wsod.modeling.mil import init_linear
@@ -118,9 +119,10 @@ def multi_seeds(
     branches: N score tensors (R, C) (foreground columns, clipped), branch 0 the one whose boxes become
     seeds. Per positive class c, in ascending order, and per branch: the top k = min(max(1, int(R x
     top_fraction)), #ROIs scoring > score_ratio x the branch's max) proposals by score; branch 0's are
-    suppressed by NMS at ``nms_iou``. Each kept branch-0 box is a seed of class c with score s x
-    (vote_offset + (n / N) ^ vote_gamma), where s is its branch-0 score and n counts branch 0 and each
-    other branch with a selected box at IoU > ``vote_iou`` with it. Seeds in NMS order (decreasing
+    suppressed by NMS at ``nms_iou`` (a box goes at IoU >= ``nms_iou`` with a kept one). Each kept branch-0
+    box is a seed of class c with score s x (vote_offset + (n / N) ^ vote_gamma), where s is its branch-0
+    score and n counts branch 0 and each other branch with a selected box at IoU > ``vote_iou`` with it.
+    Both IoUs in inclusive pixels (``x2 - x1 + 1``), as the reference's. Seeds in NMS order (decreasing
     score) within a class. Returns (boxes (G, 4), classes (G,), scores (G,))."""
     num_rois = proposals.shape[0]
     cap = max(1, int(num_rois * top_fraction))
@@ -133,10 +135,12 @@ def multi_seeds(
         top = selected[0]
         # NMS in rank order: scores strictly decreasing by rank, so that equal scores keep index order.
         rank = torch.arange(len(top), 0, -1, dtype=proposals.dtype, device=proposals.device)
-        kept = top[nms(proposals[top], rank, nms_iou)]
+        # The reference's cython NMS: inclusive pixels, dropped at IoU >= nms_iou (inclusive_nms).
+        kept = top[inclusive_nms(proposals[top], rank, nms_iou)]
         votes = torch.ones(len(kept), dtype=proposals.dtype, device=proposals.device)
         for other in selected[1:]:
-            votes += (box_iou(proposals[kept], proposals[other]) > vote_iou).any(dim=1).to(votes.dtype)
+            overlaps = inclusive_box_iou(proposals[kept], proposals[other])  # bbox_overlaps: + 1
+            votes += (overlaps > vote_iou).any(dim=1).to(votes.dtype)
         factor = vote_offset + (votes / len(branches)) ** vote_gamma
         boxes.append(proposals[kept])
         classes.append(torch.full_like(kept, c))
