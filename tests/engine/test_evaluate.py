@@ -24,6 +24,7 @@ from wsod.data.toy import TOY_CLASSES, ensure_toy_dataset
 from wsod.engine.evaluate import NO_BOXES, Evaluator, evaluate_detections, write_evaluation
 from wsod.engine.inference import predict
 from wsod.engine.run_log import RunLog
+from wsod.evaluation.classification import classification_ap
 from wsod.evaluation.coco import STAT_NAMES, format_coco_stats, to_coco_results
 
 TINY_MODEL = {"backbone": "resnet18", "width": 0.25, "weights": None, "chunk_size": 8}
@@ -114,7 +115,14 @@ def test_evaluator_scores_image_scores_keeps_the_baseline_and_draws_previews(toy
     boxed = Evaluator(toy_test, scales=[160], max_size=1000, num_workers=0, progress=False)
     with torch.no_grad():
         result = boxed(model)
-    assert result.metrics.keys() == {"mAP", "CorLoc"} and boxed.primary_metric == "mAP"  # as before
+    assert result.metrics.keys() == {"mAP", "CorLoc", "cls_mAP"} and boxed.primary_metric == "mAP"
+    labels = torch.stack([torch.as_tensor(r.labels) for r in toy_test.records])
+    scores = torch.stack([d["image_scores"] for d in result.detections])
+    expected = classification_ap(scores, labels, "voc07")["cls_mAP"]  # the label-only path's metric
+    assert result.metrics["cls_mAP"] == pytest.approx(expected)
+    lines = result.report.splitlines()
+    assert lines[-1].startswith("copypaste:") and lines[-2].startswith("image-level classification mAP")
+    assert lines[-2].endswith(f"{100 * expected:.2f}")
     assert set(result.per_class) == {f"AP_{n}" for n in TOY_CLASSES} and not result.extra
 
 

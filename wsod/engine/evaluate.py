@@ -24,6 +24,7 @@ import logging
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import torch
 from torch import Tensor
@@ -108,7 +109,17 @@ def score_detections(
     localisation = voc.corloc(detections, annotations, dataset.num_classes)
     report = voc.format_results(results, dataset.classes, localisation)
     per_class = {f"AP_{name}": ap for name, ap in zip(dataset.classes, results["ap"], strict=True)}
-    return {"mAP": results["mAP"], "CorLoc": localisation["CorLoc"]}, report, per_class
+    metrics = {"mAP": results["mAP"], "CorLoc": localisation["CorLoc"]}
+    if detections and all("image_scores" in d for d in detections):
+        # Whether the detector knows *which* classes an image holds, apart from where they are: a weak
+        # detector at chance here has not learnt the classes yet, whatever its boxes.
+        cls_map = _image_classification(detections, dataset, metric)["cls_mAP"]
+        metrics["cls_mAP"] = cls_map
+        line = f"image-level classification mAP (image scores against image labels): {100 * cls_map:.2f}"
+        lines = report.split("\n")
+        at = next((i for i, text in enumerate(lines) if text.startswith("copypaste:")), len(lines))
+        report = "\n".join([*lines[:at], line, *lines[at:]])  # the copy-paste line stays last
+    return metrics, report, per_class
 
 
 def random_baseline_line(chance: dict[str, float]) -> str:
@@ -131,12 +142,20 @@ def _classification(
             " older wsod?); the label-only test set is scored by them: evaluate without predictions= to"
             " recompute them"
         )
-    scores = torch.stack([torch.as_tensor(d["image_scores"]).reshape(-1) for d in detections])
-    labels = torch.stack([torch.as_tensor(r.labels) for r in dataset.records])
-    results = classification.classification_ap(scores, labels, "voc07" if metric == "voc07" else "area")
+    results = _image_classification(detections, dataset, metric)
     report = NO_BOXES + "\n" + classification.format_classification(results, dataset.classes)
     per_class = {f"cls_AP_{name}": ap for name, ap in zip(dataset.classes, results["ap"], strict=True)}
     return {"cls_mAP": results["cls_mAP"]}, report, per_class
+
+
+def _image_classification(
+    detections: Detections, dataset: WeakDetectionDataset, metric: str
+) -> dict[str, Any]:
+    """``classification_ap`` of the detections' ``image_scores`` (C,) per image against the dataset's image
+    labels, with the devkit's 11-point AP for "voc07", the area under the envelope otherwise."""
+    scores = torch.stack([torch.as_tensor(d["image_scores"]).reshape(-1) for d in detections])
+    labels = torch.stack([torch.as_tensor(r.labels) for r in dataset.records])
+    return classification.classification_ap(scores, labels, "voc07" if metric == "voc07" else "area")
 
 
 @dataclass
