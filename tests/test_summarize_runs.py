@@ -36,8 +36,10 @@ from wsod.engine.run_summary import (
     SummaryError,
     format_copypaste,
     format_markdown,
+    plot_summary,
     read_run,
     summarize_runs,
+    summary_figure,
     write_summary,
 )
 
@@ -497,3 +499,39 @@ def test_a_sweep_rerun_refuses_finished_jobs_goes_on_with_the_others_and_resumes
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     assert sorted(p.name for p in sweep_dir.iterdir()) == ["seed=1", "seed=2"]
     assert "resumed from" in (sweep_dir / "seed=1" / "log.txt").read_text()
+
+
+def test_the_on_a_part_column_and_the_labels_of_many_groups_that_do_not_overlap(tmp_path):
+    """Issue 54, item 6: the evaluation's on_part mean is a column named as the report names it, and the
+    plot's group labels stay apart for 8+ groups (their drawn boxes measured)."""
+    sweep = tmp_path / "many"
+    for n, method in enumerate(("mist", "oicr", "pcl")):
+        for lr in ("0.001", "0.002", "0.004"):
+            final = {**evaluation(0.5, 0.4, 0.2, 0.3), "on_part": 0.1 * (n + 1)}
+            fake_run(sweep / f"{method}_{lr}", f"method={method}", f"solver.lr={lr}", final=final)
+    summary = summarize_runs([sweep])
+    assert len(summary.groups) == 9
+    text = format_markdown(summary)
+    assert "| on a part mean | on a part min | on a part max |" in text
+    assert "| 10.00 | 10.00 | 10.00 |" in text  # the MIST groups' on_part, in percent
+    figure = summary_figure(summary)
+    figure.canvas.draw()
+    renderer = figure.canvas.get_renderer()
+    panels = figure.get_axes()
+    assert [axes.get_title() for axes in panels] == ["mAP", "CorLoc", "on a part"]
+    for axes in panels:
+        labels = axes.get_xticklabels()
+        assert len(labels) == 9 and {label.get_rotation() for label in labels} == {45.0}
+        ticks = [axes.transData.transform((x, 0))[0] for x in axes.get_xticks()]
+        spacing = min(b - a for a, b in zip(ticks, ticks[1:], strict=False))
+        for label in labels:  # parallel labels at 45 degrees, one tick apart: sin(45) x spacing between
+            label.set_rotation(0)  # them, which must exceed a label's own height (all its lines)
+            height = label.get_window_extent(renderer).height
+            label.set_rotation(45)
+            assert spacing * math.sin(math.radians(45)) > height, (label.get_text(), spacing, height)
+        boxes = [label.get_window_extent(renderer) for label in labels]
+        assert all(box.y1 <= axes.get_window_extent(renderer).y0 + 1 for box in boxes)  # under the panel
+        assert all(box.x0 >= 0 and box.y0 >= 0 for box in boxes)  # inside the figure
+    plot_summary(summary, tmp_path / "s.png")
+    with Image.open(tmp_path / "s.png") as image:
+        assert image.format == "PNG"

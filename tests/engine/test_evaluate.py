@@ -115,7 +115,7 @@ def test_evaluator_scores_image_scores_keeps_the_baseline_and_draws_previews(toy
     boxed = Evaluator(toy_test, scales=[160], max_size=1000, num_workers=0, progress=False)
     with torch.no_grad():
         result = boxed(model)
-    assert result.metrics.keys() == {"mAP", "CorLoc", "cls_mAP"} and boxed.primary_metric == "mAP"
+    assert result.metrics.keys() == {"mAP", "CorLoc", "on_part", "cls_mAP"} and boxed.primary_metric == "mAP"
     labels = torch.stack([torch.as_tensor(r.labels) for r in toy_test.records])
     scores = torch.stack([d["image_scores"] for d in result.detections])
     expected = classification_ap(scores, labels, "voc07")["cls_mAP"]  # the label-only path's metric

@@ -254,6 +254,7 @@ def test_corloc_names_the_top_detections_on_a_part():
     assert result["num_images"] == [5, 1]
     assert result["num_correct"] == [1, 0] and result["num_on_part"] == [2, 0]
     assert result["on_part"] == [pytest.approx(2 / 5), 0.0]
+    assert result["OnPart"] == pytest.approx((2 / 5 + 0.0) / 2)  # the mean over the classes present
     # The same verdicts from a pixel-by-pixel reference: rasterise the top box and the object, count.
     expected = {(0, 0): True, (1, 0): False, (2, 0): True, (3, 0): False, (3, 1): False, (4, 0): False}
     for (i, c), verdict in expected.items():

@@ -75,7 +75,9 @@ def evaluate_detections(
 ) -> tuple[dict[str, float], str]:
     """Metrics of ``detections`` (dataset order, original pixels) and a printable report.
 
-    ``metric`` "voc07" or "area": devkit AP at IoU >= 0.5 (``mAP``) and CorLoc at IoU > 0.5 (``CorLoc``),
+    ``metric`` "voc07" or "area": devkit AP at IoU >= 0.5 (``mAP``), CorLoc at IoU > 0.5 (``CorLoc``), the
+    share of top detections on a part of an object (``on_part``, the report's ``on a part`` mean) and,
+    when the detections hold image scores, the image-level classification mAP (``cls_mAP``),
     with a per-class table and a ``copypaste:`` line. "coco": the 12 COCOeval stats (``AP``, ``AP50``,
     ...) through pycocotools, for a dataset whose ``result_format`` is "coco" (``CocoDataset``: it holds
     its ground truth as ``coco``). A dataset without ground-truth boxes: ``cls_mAP``, the classification
@@ -109,7 +111,7 @@ def score_detections(
     localisation = voc.corloc(detections, annotations, dataset.num_classes)
     report = voc.format_results(results, dataset.classes, localisation)
     per_class = {f"AP_{name}": ap for name, ap in zip(dataset.classes, results["ap"], strict=True)}
-    metrics = {"mAP": results["mAP"], "CorLoc": localisation["CorLoc"]}
+    metrics = {"mAP": results["mAP"], "CorLoc": localisation["CorLoc"], "on_part": localisation["OnPart"]}
     if detections and all("image_scores" in d for d in detections):
         # Whether the detector knows *which* classes an image holds, apart from where they are: a weak
         # detector at chance here has not learnt the classes yet, whatever its boxes.

@@ -42,9 +42,12 @@ import re
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from omegaconf import OmegaConf
+
+if TYPE_CHECKING:  # matplotlib is imported when a plot is drawn, not with the module
+    from matplotlib.figure import Figure
 
 __all__ = [
     "GROUPING_EXCLUDED",
@@ -59,6 +62,7 @@ __all__ = [
     "format_markdown",
     "group_runs",
     "plot_summary",
+    "summary_figure",
     "read_run",
     "summarize_runs",
     "write_summary",
@@ -68,7 +72,9 @@ __all__ = [
 # resume (true in the config_resume_*.yaml of a run that was resumed: how it was run, not what).
 GROUPING_EXCLUDED = ("seed", "output_dir", "resume")
 # The metrics plotted, those of them that the runs have: VOC, COCO and label-only evaluations.
-PLOTTED = ("mAP", "CorLoc", "AP", "AP50", "cls_mAP")
+PLOTTED = ("mAP", "CorLoc", "on_part", "AP", "AP50", "cls_mAP")
+# How a metric is named in the tables and plots where its key is not what the evaluation report calls it.
+METRIC_LABELS = {"on_part": "on a part"}
 # Per-class value prefixes of an eval row (``wsod.engine.evaluate.score_detections``).
 PER_CLASS_PREFIXES = ("cls_AP_", "AP_")
 BASELINE_PREFIX = "random_"
@@ -461,7 +467,8 @@ def _groups_table(summary: Summary) -> list[str]:
     """One row per group: runs, seeds, each metric's mean, min and max, and the seconds per step."""
     names = summary.metric_names
     header = ["group", "runs", "seeds"]
-    header += [f"{name} {stat}" for name in names for stat in ("mean", "min", "max")] + [SECONDS_COLUMN]
+    header += [f"{_label(name)} {stat}" for name in names for stat in ("mean", "min", "max")]
+    header.append(SECONDS_COLUMN)
     rows = []
     for group in summary.groups:
         row = [group.label, str(len(group.runs)), ", ".join(_show(seed) for seed in group.seeds)]
@@ -474,8 +481,15 @@ def _groups_table(summary: Summary) -> list[str]:
 
 
 def plot_summary(summary: Summary, path: str | os.PathLike) -> Path:
-    """A PNG: per plotted metric (mAP and CorLoc, or COCO's AP and AP50, or cls_mAP) one panel, with
-    each group's mean, a bar from its min to its max, and its runs as dots."""
+    """``summary_figure`` as a PNG at ``path``."""
+    path = Path(path)
+    summary_figure(summary).savefig(path, format="png")
+    return path
+
+
+def summary_figure(summary: Summary) -> Figure:
+    """Per plotted metric (``PLOTTED``: mAP, CorLoc and on a part, or COCO's AP and AP50, and cls_mAP)
+    one panel, with each group's mean, a bar from its min to its max, and its runs as dots."""
     # The object-oriented API with the Agg canvas: no pyplot, no global backend switch.
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
@@ -484,12 +498,21 @@ def plot_summary(summary: Summary, path: str | os.PathLike) -> Path:
         raise SummaryError("nothing to plot: no run with a final evaluation")
     names = [name for name in PLOTTED if name in summary.metric_names] or summary.metric_names[:2]
     count = len(summary.groups)
-    width = max(3.5, 1.0 * count + 1.5)
-    figure = Figure(figsize=(width * max(len(names), 1), 4.5), dpi=100)
-    FigureCanvasAgg(figure)
     labels = [group.label.replace(", ", "\n") for group in summary.groups]
+    # Beyond a few groups the labels are turned 45 degrees (anchored at their right end, under their
+    # tick), and each group gets room for its label's lines: neighbours never overlap (the test measures).
+    turned = count > 3
+    lines = max(label.count("\n") + 1 for label in labels)
+    step = max(1.0, 0.16 * lines + 0.45) if turned else max(1.0, 0.065 * max(map(len, labels)))
+    width = max(3.5, step * count + 1.5)
+    height = 4.5 + (0.6 if turned else 0)
+    # Side by side while the panels are narrow; one above the other once they are wide (many groups).
+    columns = max(len(names), 1) if width * len(names) <= 16 else 1
+    rows = math.ceil(max(len(names), 1) / columns)
+    figure = Figure(figsize=(width * columns, height * rows), dpi=100)
+    FigureCanvasAgg(figure)
     for index, name in enumerate(names):
-        axes = figure.add_subplot(1, len(names), index + 1)
+        axes = figure.add_subplot(rows, columns, index + 1)
         for x, group in enumerate(summary.groups):
             stats = group.metric(name)
             if stats.count == 0:
@@ -505,17 +528,18 @@ def plot_summary(summary: Summary, path: str | os.PathLike) -> Path:
                 [x + o for o in offsets], values, s=18, color="black", alpha=0.7, zorder=3,
                 label="runs" if x == 0 else None,
             )  # fmt: skip
-        axes.set_xticks(range(count), labels, rotation=20 if count > 3 else 0, fontsize=8)
+        axes.set_xticks(range(count), labels, fontsize=8)
+        if turned:
+            for tick in axes.get_xticklabels():
+                tick.set(rotation=45, ha="right", rotation_mode="anchor")
         axes.set_xlim(-0.6, count - 0.4)
-        axes.set_title(name)
+        axes.set_title(_label(name))
         axes.set_ylabel("%")
         axes.grid(axis="y", alpha=0.3)
         if index == 0:
             axes.legend(fontsize=8, loc="best")
     figure.tight_layout()
-    path = Path(path)
-    figure.savefig(path, format="png")
-    return path
+    return figure
 
 
 def write_summary(summary: Summary, out_dir: str | os.PathLike) -> tuple[Path, Path]:
@@ -537,6 +561,11 @@ def write_summary(summary: Summary, out_dir: str | os.PathLike) -> tuple[Path, P
 
 
 # -- helpers -----------------------------------------------------------------------------------------
+
+
+def _label(name: str) -> str:
+    """A metric's name in tables and plots (``METRIC_LABELS``, else its key)."""
+    return METRIC_LABELS.get(name, name)
 
 
 def _flatten(node: Any, prefix: str = "") -> dict[str, Any]:

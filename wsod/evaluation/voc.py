@@ -209,7 +209,8 @@ def corloc(detections: _Images, annotations: _Images, num_classes: int, iou: flo
     - ``"num_images"``: images containing the class; ``"num_correct"``: of those, correctly localised
     - ``"on_part"``: incorrect and on a part / images containing the class (NaN if none);
       ``"num_on_part"``: the count
-    - ``"CorLoc"``: mean of ``"corloc"`` over the classes present in some image (NaN if none)
+    - ``"CorLoc"``: mean of ``"corloc"`` over the classes present in some image (NaN if none);
+      ``"OnPart"``: the same mean of ``"on_part"`` (the report's ``on a part`` mean)
     """
     num_images = [0] * num_classes
     num_correct = [0] * num_classes
@@ -227,13 +228,15 @@ def corloc(detections: _Images, annotations: _Images, num_classes: int, iou: flo
             on_part = part_proposal_mask(det["boxes"][top, None], objects, inside=PART_INSIDE).any().item()
             num_on_part[c] += int(not correct and on_part)
     per_class = [k / n if n else math.nan for k, n in zip(num_correct, num_images, strict=True)]
+    on_part = [k / n if n else math.nan for k, n in zip(num_on_part, num_images, strict=True)]
     return {
         "corloc": per_class,
         "num_images": num_images,
         "num_correct": num_correct,
-        "on_part": [k / n if n else math.nan for k, n in zip(num_on_part, num_images, strict=True)],
+        "on_part": on_part,
         "num_on_part": num_on_part,
         "CorLoc": _nanmean(per_class),
+        "OnPart": _nanmean(on_part),
     }
 
 
