@@ -42,8 +42,14 @@ from torchvision.ops import box_iou
 
 from wsod.data.box_formats import inclusive_box_iou, inclusive_nms
 from wsod.modeling.box_coder import encode_boxes
-from wsod.modeling.method import MethodBatch, PseudoLabels, RefinementMethod, RoiScores, TrainingProgress
-from wsod.modeling.mil import init_linear
+from wsod.modeling.method import (
+    MethodBatch,
+    PseudoLabels,
+    RefinementMethod,
+    RoiScores,
+    TrainingProgress,
+    check_init_stds,
+)
 from wsod.modeling.refinement import (
     PseudoBoxes,
     RefinementStudent,
@@ -207,6 +213,8 @@ class CBLMethod(RefinementMethod):
         multi_seed_start: the progress from which the R-CNN head learns from multi-seeds.
         top_fraction, score_ratio, nms_iou, vote_iou, vote_gamma, vote_offset: ``multi_seeds``.
         rcnn_cls_std, rcnn_box_std: the R-CNN head's initial weights N(0, std).
+        mil_std, student_cls_std: the MIL head's and the students' classifiers' initial weights N(0, std)
+            (the reference's 0.01; ``RefinementMethod``).
     """
 
     box_regression: ClassVar[bool] = False  # the students classify; the R-CNN head regresses
@@ -231,6 +239,8 @@ class CBLMethod(RefinementMethod):
         vote_offset: float = 1.0,
         rcnn_cls_std: float = 0.01,
         rcnn_box_std: float = 0.001,
+        mil_std: float = 0.01,
+        student_cls_std: float = 0.01,
     ) -> None:
         for name, value in (
             ("fg_iou", fg_iou), ("bg_iou", bg_iou), ("distill_iou_start", distill_iou_start),
@@ -244,6 +254,12 @@ class CBLMethod(RefinementMethod):
                 f"CBL needs ramp_length > 0, multi_seed_start >= 0 and score_clip in [0, 0.5), got"
                 f" {ramp_length}, {multi_seed_start}, {score_clip}"
             )
+        check_init_stds(
+            rcnn_cls_std=rcnn_cls_std,
+            rcnn_box_std=rcnn_box_std,
+            mil_std=mil_std,
+            student_cls_std=student_cls_std,
+        )
         self.fg_iou, self.bg_iou, self.score_clip = fg_iou, bg_iou, score_clip
         self.ramp_length = ramp_length
         self.distill_iou_start, self.distill_iou_stop = distill_iou_start, distill_iou_stop
@@ -251,14 +267,13 @@ class CBLMethod(RefinementMethod):
         self.top_fraction, self.score_ratio, self.nms_iou = top_fraction, score_ratio, nms_iou
         self.vote_iou, self.vote_gamma, self.vote_offset = vote_iou, vote_gamma, vote_offset
         self.rcnn_cls_std, self.rcnn_box_std = rcnn_cls_std, rcnn_box_std
+        self.mil_std, self.student_cls_std = mil_std, student_cls_std
 
     # -- the network ------------------------------------------------------------------------------------
 
     def build_heads(self, in_features: int, num_classes: int) -> dict[str, nn.Module]:
-        head = RefinementStudent(in_features, num_classes, box_regression=True)
-        init_linear(head.cls_score, self.rcnn_cls_std)
-        init_linear(head.bbox_pred, self.rcnn_box_std)
-        return {RCNN: head}
+        stds = {"cls_std": self.rcnn_cls_std, "box_std": self.rcnn_box_std}
+        return {RCNN: RefinementStudent(in_features, num_classes, box_regression=True, **stds)}
 
     def teacher_sources(self, num_students: int) -> dict[str, dict[str, float]]:
         """The teacher's copy of student K's classifier follows (1/2K) x each student's + (1/2) x the

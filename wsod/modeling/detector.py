@@ -142,10 +142,12 @@ class WeaklySupervisedDetector(nn.Module):
     Args:
         base: images (B, 3, H, W) -> feature map (B, C, H/stride, W/stride).
         roi_head: (feature map, rois (R, 5)) -> ROI features (R, D), e.g. ``RoIFeatureHead``.
-        mil_head: the WSDDN teacher, ``MILHead(D, C)``.
+        mil_head: the WSDDN teacher, ``MILHead(D, C, std=method.mil_std)``.
         students: K ``RefinementStudent(D, C)``: at least one (inference averages them), with a box
             regressor iff the method's ``box_regression``; none when the method trains no students
             (``trains_students`` False, WSDDN: the teacher's ROI scores are the detections).
+            ``detector_from_backbone`` initialises them with the method's ``student_cls_std`` and
+            ``student_box_std``.
         method: the refinement method (``MISTMethod()`` when neither it nor ``labeler`` is given): each
             student's pseudo-labels from its predecessor's scores, and that student's losses.
         method_heads: the method's own heads (``method.build_heads``, e.g. CBL's R-CNN head), by name;
@@ -733,7 +735,8 @@ def detector_from_backbone(
     ``roi_size``: the backbone's own, ``backbone.pooler`` and ``backbone.roi_size``, unless given), the
     backbone's neck under sequential backprop (``RoIFeatureHead``; ``chunk_size="auto"`` with
     ``memory_budget_gb``, see ``wsod.modeling.chunking``), the MIL teacher and ``num_students`` students
-    of width ``backbone.feature_dim``. ``dropblock``: Concrete DropBlock on the pooled features
+    of width ``backbone.feature_dim``, initialised as the method says (``mil_std``, ``student_cls_std``,
+    ``student_box_std``). ``dropblock``: Concrete DropBlock on the pooled features
     (``ConcreteDropBlock(backbone.channels, block_size=dropblock_block_size,
     hidden_channels=dropblock_hidden)``), trained by the
     adversarial step of ``wsod.engine.adversarial``. ``detector_options`` go to
@@ -765,10 +768,16 @@ def detector_from_backbone(
     return WeaklySupervisedDetector(
         base=backbone.base,
         roi_head=roi_head,
-        mil_head=MILHead(backbone.feature_dim, num_classes),
+        mil_head=MILHead(backbone.feature_dim, num_classes, std=method.mil_std),
         method_heads=method.build_heads(backbone.feature_dim, num_classes),
         students=[
-            RefinementStudent(backbone.feature_dim, num_classes, box_regression=method.box_regression)
+            RefinementStudent(
+                backbone.feature_dim,
+                num_classes,
+                box_regression=method.box_regression,
+                cls_std=method.student_cls_std,
+                box_std=method.student_box_std,
+            )
             for _ in range(num_students)
         ],
         method=method,

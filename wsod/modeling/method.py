@@ -43,6 +43,7 @@ boxes (``pseudo/precision_teacher``, ``wsod.engine.pseudo_label_quality``) and n
 
 from __future__ import annotations
 
+import math
 from abc import ABC, abstractmethod
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
@@ -58,6 +59,7 @@ __all__ = [
     "MethodBatch",
     "RefinementMethod",
     "check_source_scores",
+    "check_init_stds",
 ]
 
 
@@ -216,10 +218,20 @@ class RefinementMethod(ABC):
     students have no box regressor, ``losses`` receives ``deltas=None`` and inference keeps each
     proposal's own box, as PCL's reference does) and ``trains_students`` (False: no students at all,
     K = 0, and the MIL teacher's ROI scores are the detections: WSDDN).
+
+    Three more say how the detector initialises the heads it builds: weights N(0, std), biases 0, with
+    ``mil_std`` for the MIL head's two streams and ``student_cls_std`` / ``student_box_std`` for each
+    student's classifier and box regressor. The defaults are wetectron's, MIST's code (0.001 for every
+    head layer, ``roi_weak_predictors.py``:136-140); a method whose reference initialises otherwise takes
+    its reference's as constructor arguments (PCL, OICR, CBL: N(0, 0.01), ``configs/method/<m>.yaml``).
     """
 
     box_regression: ClassVar[bool] = True
     trains_students: ClassVar[bool] = True
+    # The heads' initial weights N(0, std): wetectron's, unless a method's constructor sets its own.
+    mil_std: float = 0.001
+    student_cls_std: float = 0.001
+    student_box_std: float = 0.001
     # Whether the method learns from an EMA teacher (``MethodBatch.teacher``): the config checks then
     # refuse a run without one (``solver.ema.enabled``).
     needs_teacher: ClassVar[bool] = False
@@ -335,6 +347,13 @@ class RefinementMethod(ABC):
         ``loss / scale`` follows the student's own fit, not its teacher's confidence. GradNorm's rates
         read it (``solver.gradnorm.normalize_rates``). Default: none (every scale 1)."""
         return {}
+
+
+def check_init_stds(**stds: float) -> None:
+    """Initial weights' standard deviations (``mil_std=0.01``, ...) are finite and at least 0."""
+    bad = [f"{name}={std}" for name, std in stds.items() if not 0 <= std < math.inf]
+    if bad:
+        raise ValueError(f"a head's initial std must be finite and >= 0, got {', '.join(bad)}")
 
 
 def check_source_scores(proposals: Tensor, scores: Tensor, image_labels: Tensor) -> None:

@@ -17,7 +17,8 @@ SCORE_EPS = 1e-10
 
 
 def init_linear(layer: nn.Linear, std: float = 0.001) -> nn.Linear:
-    """The reference initialisation of every head layer: weights N(0, std), bias 0."""
+    """A head layer's reference initialisation: weights N(0, std), bias 0. The std is each method's
+    (``RefinementMethod.mil_std``, ``student_cls_std``, ``student_box_std``): wetectron's 0.001 by default."""
     nn.init.normal_(layer.weight, std=std)
     nn.init.zeros_(layer.bias)
     return layer
@@ -25,12 +26,13 @@ def init_linear(layer: nn.Linear, std: float = 0.001) -> nn.Linear:
 
 class MILHead(nn.Module):
     """Two streams on ROI features: a classification softmax over classes and a detection softmax over
-    the ROIs of each image; their product scores every ROI for every class."""
+    the ROIs of each image; their product scores every ROI for every class. Both layers start at weights
+    N(0, ``std``), bias 0 (the method's ``mil_std``)."""
 
-    def __init__(self, in_features: int, num_classes: int) -> None:
+    def __init__(self, in_features: int, num_classes: int, *, std: float = 0.001) -> None:
         super().__init__()
-        self.cls_score = init_linear(nn.Linear(in_features, num_classes + 1))
-        self.det_score = init_linear(nn.Linear(in_features, num_classes + 1))
+        self.cls_score = init_linear(nn.Linear(in_features, num_classes + 1), std)
+        self.det_score = init_linear(nn.Linear(in_features, num_classes + 1), std)
 
     def forward(self, roi_features: Tensor, rois_per_image: list[int]) -> Tensor:
         """roi_features (R, D) of all images, concatenated in image order; rois_per_image sums to R.

@@ -48,7 +48,7 @@ import torch.nn.functional as F
 from torch import Tensor
 from torchvision.ops import box_iou
 
-from wsod.modeling.method import PseudoLabels, RefinementMethod, check_source_scores
+from wsod.modeling.method import PseudoLabels, RefinementMethod, check_init_stds, check_source_scores
 
 __all__ = [
     "PCLMethod",
@@ -315,7 +315,8 @@ class PCLMethod(RefinementMethod):
     """PCL (Tang et al., TPAMI 2018) as a refinement method: ``pcl_pseudo_labels`` with these settings
     for every student and ``pcl_loss`` (``loss_pcl_k``), student 1's multiplied by
     ``first_student_loss_weight`` (1: the reference weighs every loss 1). No box regression. The
-    settings of ``configs/method/pcl.yaml``, each with its source there."""
+    settings of ``configs/method/pcl.yaml``, each with its source there; ``mil_std`` and
+    ``student_cls_std`` the MIL head's and the students' initial weights N(0, std), the reference's 0.01."""
 
     box_regression = False
 
@@ -330,6 +331,8 @@ class PCLMethod(RefinementMethod):
         bg_iou: float = 0.1,
         score_clip: float = 1e-9,
         first_student_loss_weight: float = 1.0,
+        mil_std: float = 0.01,
+        student_cls_std: float = 0.01,
     ) -> None:
         if kmeans_groups < 2:
             raise ValueError(f"PCL's kmeans_groups must be at least 2, got {kmeans_groups}")
@@ -345,6 +348,7 @@ class PCLMethod(RefinementMethod):
             raise ValueError(f"PCL's score_clip must be in [0, 0.5), got {score_clip}")
         if not first_student_loss_weight >= 0:
             raise ValueError(f"first_student_loss_weight must be >= 0, got {first_student_loss_weight}")
+        check_init_stds(mil_std=mil_std, student_cls_std=student_cls_std)
         self.settings = dict(
             kmeans_groups=kmeans_groups,
             graph_iou=graph_iou,
@@ -355,6 +359,7 @@ class PCLMethod(RefinementMethod):
             score_clip=score_clip,
         )
         self.first_student_loss_weight = first_student_loss_weight
+        self.mil_std, self.student_cls_std = mil_std, student_cls_std
 
     @property
     def fg_iou(self) -> float:
@@ -383,10 +388,15 @@ class PCLMethod(RefinementMethod):
 class WSDDNMethod(RefinementMethod):
     """WSDDN (Bilen & Vedaldi, CVPR 2016), the baseline of every table: the MIL teacher alone, no
     refinement students (``num_students: 0``); its ROI scores (classification softmax x detection
-    softmax over the image's ROIs) are the detections. Only ``loss_mil`` trains."""
+    softmax over the image's ROIs) are the detections. Only ``loss_mil`` trains. ``mil_std``: the MIL
+    head's initial weights N(0, std), wetectron's 0.001."""
 
     trains_students = False
     box_regression = False
+
+    def __init__(self, *, mil_std: float = 0.001) -> None:
+        check_init_stds(mil_std=mil_std)
+        self.mil_std = mil_std
 
     def loss_names(self, num_students: int) -> tuple[str, ...]:
         if num_students:

@@ -28,7 +28,7 @@ from torch import Tensor, nn
 from torchvision.ops import box_iou, nms
 
 from wsod.modeling.box_coder import encode_boxes
-from wsod.modeling.method import PseudoLabels, RefinementMethod, check_source_scores
+from wsod.modeling.method import PseudoLabels, RefinementMethod, check_init_stds, check_source_scores
 from wsod.modeling.mil import init_linear
 from wsod.modeling.partial_labels import PartialLabels, partial_pseudo_labels
 
@@ -64,13 +64,22 @@ class PseudoLabeler(Protocol):
 
 class RefinementStudent(nn.Module):
     """One student: a (C+1)-way classifier (column 0 = background) and, with ``box_regression`` (the
-    default), a class-specific box regressor."""
+    default), a class-specific box regressor, starting at weights N(0, ``cls_std``) and N(0, ``box_std``),
+    biases 0 (the method's ``student_cls_std`` and ``student_box_std``)."""
 
-    def __init__(self, in_features: int, num_classes: int, *, box_regression: bool = True) -> None:
+    def __init__(
+        self,
+        in_features: int,
+        num_classes: int,
+        *,
+        box_regression: bool = True,
+        cls_std: float = 0.001,
+        box_std: float = 0.001,
+    ) -> None:
         super().__init__()
-        self.cls_score = init_linear(nn.Linear(in_features, num_classes + 1))
+        self.cls_score = init_linear(nn.Linear(in_features, num_classes + 1), cls_std)
         self.bbox_pred = (
-            init_linear(nn.Linear(in_features, 4 * (num_classes + 1))) if box_regression else None
+            init_linear(nn.Linear(in_features, 4 * (num_classes + 1)), box_std) if box_regression else None
         )
 
     @property
@@ -346,15 +355,28 @@ class LabelerMethod(RefinementMethod):
 
     Partial labels in an image's targets (points, scribbles, boxes) change that image's pseudo-labels
     by the rules of ``wsod.modeling.partial_labels`` (the labeller must name its pseudo boxes: MIST,
-    OICR); an image without them is labelled exactly as before."""
+    OICR); an image without them is labelled exactly as before.
+
+    ``mil_std``, ``student_cls_std``, ``student_box_std``: the heads' initial weights N(0, std)
+    (``RefinementMethod``); wetectron's 0.001 by default."""
 
     reads_partial_labels = True
 
-    def __init__(self, labeler: PseudoLabeler, *, first_student_loss_weight: float = 3.0) -> None:
+    def __init__(
+        self,
+        labeler: PseudoLabeler,
+        *,
+        first_student_loss_weight: float = 3.0,
+        mil_std: float = 0.001,
+        student_cls_std: float = 0.001,
+        student_box_std: float = 0.001,
+    ) -> None:
         if not first_student_loss_weight >= 0:
             raise ValueError(f"first_student_loss_weight must be >= 0, got {first_student_loss_weight}")
+        check_init_stds(mil_std=mil_std, student_cls_std=student_cls_std, student_box_std=student_box_std)
         self.labeler = labeler
         self.first_student_loss_weight = first_student_loss_weight
+        self.mil_std, self.student_cls_std, self.student_box_std = mil_std, student_cls_std, student_box_std
 
     def loss_names(self, num_students: int) -> tuple[str, ...]:
         return tuple(f"loss_ref_{kind}_{k}" for k in range(1, num_students + 1) for kind in ("cls", "box"))
@@ -415,7 +437,7 @@ class LabelerMethod(RefinementMethod):
 
 class MISTMethod(LabelerMethod):
     """MIST (Ren et al., CVPR 2020): ``MISTLabeler(p, tau, suppress, fg_iou)`` with the students' weighted
-    losses. The settings of ``configs/method/mist.yaml``."""
+    losses. The settings of ``configs/method/mist.yaml`` (the heads' initial stds: wetectron's 0.001)."""
 
     def __init__(
         self,
@@ -425,9 +447,18 @@ class MISTMethod(LabelerMethod):
         suppress: str = "candidates",
         fg_iou: float = 0.5,
         first_student_loss_weight: float = 3.0,
+        mil_std: float = 0.001,
+        student_cls_std: float = 0.001,
+        student_box_std: float = 0.001,
     ) -> None:
         labeler = MISTLabeler(p=p, tau=tau, suppress=suppress, fg_iou=fg_iou)
-        super().__init__(labeler, first_student_loss_weight=first_student_loss_weight)
+        super().__init__(
+            labeler,
+            first_student_loss_weight=first_student_loss_weight,
+            mil_std=mil_std,
+            student_cls_std=student_cls_std,
+            student_box_std=student_box_std,
+        )
 
     @property
     def fg_iou(self) -> float:
@@ -436,10 +467,26 @@ class MISTMethod(LabelerMethod):
 
 class OICRMethod(LabelerMethod):
     """OICR (Tang et al., CVPR 2017): ``OICRLabeler(fg_iou)`` with the students' weighted losses. The
-    settings of ``configs/method/oicr.yaml``."""
+    settings of ``configs/method/oicr.yaml``; the MIL head and the students' classifiers start at the
+    authors' N(0, 0.01) (ppengtang/pcl.pytorch ``lib/modeling/pcl_heads.py``), the box regressors, which
+    their OICR has not, at 0.001 as MIST's."""
 
-    def __init__(self, *, fg_iou: float = 0.5, first_student_loss_weight: float = 3.0) -> None:
-        super().__init__(OICRLabeler(fg_iou=fg_iou), first_student_loss_weight=first_student_loss_weight)
+    def __init__(
+        self,
+        *,
+        fg_iou: float = 0.5,
+        first_student_loss_weight: float = 3.0,
+        mil_std: float = 0.01,
+        student_cls_std: float = 0.01,
+        student_box_std: float = 0.001,
+    ) -> None:
+        super().__init__(
+            OICRLabeler(fg_iou=fg_iou),
+            first_student_loss_weight=first_student_loss_weight,
+            mil_std=mil_std,
+            student_cls_std=student_cls_std,
+            student_box_std=student_box_std,
+        )
 
     @property
     def fg_iou(self) -> float:
