@@ -12,8 +12,8 @@ import math
 import pytest
 import torch
 
-from wsod.data.box_formats import inclusive_box_iou
 from wsod.evaluation.voc import average_precision, corloc, evaluate, format_results, write_voc_results
+from wsod.modeling.inclusive_boxes import inclusive_box_iou
 
 # Four 10 x 10 boxes that do not touch each other.
 A, B, C, FAR = [0, 0, 9, 9], [20, 0, 29, 9], [40, 0, 49, 9], [100, 100, 109, 109]

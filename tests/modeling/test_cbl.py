@@ -9,7 +9,6 @@ import math
 import pytest
 import torch
 
-from wsod.data.box_formats import inclusive_nms
 from wsod.modeling.cbl import (
     CBLMethod,
     assign_seeds,
@@ -18,6 +17,7 @@ from wsod.modeling.cbl import (
     top1_seeds,
 )
 from wsod.modeling.detector import build_detector
+from wsod.modeling.inclusive_boxes import inclusive_nms
 from wsod.modeling.method import MethodBatch, RoiScores, TrainingProgress
 
 EPS = 1e-9

@@ -4,7 +4,7 @@ wsod boxes are float32 ``(N, 4)`` arrays/tensors ``x1 y1 x2 y2`` in pixels of th
 0-based, with ``x2, y2`` the last column and row the box covers (inclusive). This is the convention of
 the PASCAL VOC devkit once its 1-based coordinates are shifted by one, and of the reference proposal
 pickles (which were made from the 1-based Selective Search releases by subtracting one). VOC evaluation
-measures these boxes with the devkit's inclusive width ``x2 - x1 + 1`` (``inclusive_box_iou``).
+measures these boxes with the devkit's inclusive width ``x2 - x1 + 1`` (``wsod.modeling.inclusive_boxes``).
 
 On-disk formats and their conversions:
 
@@ -22,8 +22,7 @@ from __future__ import annotations
 
 import numpy as np
 import torch
-from torch import Tensor
-from torchvision.ops import box_convert, box_iou, nms
+from torchvision.ops import box_convert
 
 __all__ = [
     "from_one_based",
@@ -32,8 +31,6 @@ __all__ = [
     "xyxy_to_yxyx",
     "coco_xywh_to_xyxy",
     "opencv_rects_to_xyxy",
-    "inclusive_box_iou",
-    "inclusive_nms",
 ]
 
 _SWAP_XY = [1, 0, 3, 2]
@@ -70,27 +67,3 @@ def opencv_rects_to_xyxy(rects: np.ndarray) -> np.ndarray:
     xyxy = coco_xywh_to_xyxy(rects)
     xyxy[:, 2:] -= 1.0  # a w-pixel-wide rectangle starting at x ends on column x + w - 1
     return xyxy
-
-
-def inclusive_box_iou(boxes1: Tensor, boxes2: Tensor) -> Tensor:
-    """IoU (N, M) of inclusive boxes (N, 4) and (M, 4), widths ``x2 - x1 + 1`` as in the VOC devkit."""
-    # Shifting x2, y2 by one pixel turns inclusive boxes into the continuous ones box_iou measures.
-    one = boxes1.new_tensor([0.0, 0.0, 1.0, 1.0])
-    return box_iou(boxes1 + one, boxes2 + one.to(boxes2))
-
-
-def inclusive_nms(boxes: Tensor, scores: Tensor, iou_threshold: float) -> Tensor:
-    """Greedy NMS as the Fast R-CNN lineage's ``cython_nms.nms`` (py-faster-rcnn, Detectron, pcl.pytorch,
-    CBL-WSOD ``lib/utils/cython_nms.pyx``:44,80-84): IoU of inclusive boxes (widths ``x2 - x1 + 1``), and a
-    box is dropped when its IoU with a kept one is *at least* ``iou_threshold``, where torchvision's ``nms``
-    drops only above it. A 100-pixel-wide box and its left 40 columns (IoU 0.4 exactly) are one box at
-    0.4 here, two in torchvision.
-
-    boxes (N, 4) inclusive xyxy, scores (N,) -> indices (K,) of the kept boxes, by decreasing score.
-    """
-    one = boxes.new_tensor([0.0, 0.0, 1.0, 1.0])
-    # torchvision compares IoU > threshold, the IoU in the boxes' dtype: the largest value of that dtype
-    # below the threshold turns it into IoU >= threshold, exactly.
-    threshold = torch.tensor(iou_threshold, dtype=boxes.dtype)
-    below = float(torch.nextafter(threshold, threshold.new_tensor(float("-inf"))))
-    return nms(boxes + one, scores, below)

@@ -43,7 +43,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from wsod.data.box_formats import inclusive_box_iou
+from wsod.modeling.inclusive_boxes import inclusive_box_iou
 
 __all__ = ["PseudoBoxRule", "select_pseudo_boxes", "containment", "pseudo_box_quality", "SOS_AREA_EPSILON"]
 

@@ -34,8 +34,9 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from wsod.data.box_formats import inclusive_box_iou, to_one_based
+from wsod.data.box_formats import to_one_based
 from wsod.data.proposals.parts import part_proposal_mask
+from wsod.modeling.inclusive_boxes import inclusive_box_iou
 
 __all__ = [
     "METRICS",

@@ -40,8 +40,8 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 from torchvision.ops import box_iou
 
-from wsod.data.box_formats import inclusive_box_iou, inclusive_nms
 from wsod.modeling.box_coder import encode_boxes
+from wsod.modeling.inclusive_boxes import inclusive_box_iou, inclusive_nms
 from wsod.modeling.method import (
     MethodBatch,
     PseudoLabels,

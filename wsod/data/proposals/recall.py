@@ -15,8 +15,8 @@ from typing import TYPE_CHECKING
 import numpy as np
 import torch
 
-from wsod.data.box_formats import inclusive_box_iou
 from wsod.data.proposals.sets import ProposalSet, filter_proposals
+from wsod.modeling.inclusive_boxes import inclusive_box_iou
 
 if TYPE_CHECKING:  # only named in annotations: wsod.data.dataset imports this package at run time
     from wsod.data.dataset import ImageRecord
