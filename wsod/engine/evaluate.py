@@ -109,19 +109,15 @@ def score_detections(
     annotations = dataset.ground_truth()
     results = voc.evaluate(detections, annotations, dataset.num_classes, metric=metric)
     localisation = voc.corloc(detections, annotations, dataset.num_classes)
-    report = voc.format_results(results, dataset.classes, localisation)
     per_class = {f"AP_{name}": ap for name, ap in zip(dataset.classes, results["ap"], strict=True)}
     metrics = {"mAP": results["mAP"], "CorLoc": localisation["CorLoc"], "on_part": localisation["OnPart"]}
+    notes = []
     if detections and all("image_scores" in d for d in detections):
         # Whether the detector knows *which* classes an image holds, apart from where they are: a weak
         # detector at chance here has not learnt the classes yet, whatever its boxes.
-        cls_map = _image_classification(detections, dataset, metric)["cls_mAP"]
-        metrics["cls_mAP"] = cls_map
-        line = f"image-level classification mAP (image scores against image labels): {100 * cls_map:.2f}"
-        lines = report.split("\n")
-        at = next((i for i, text in enumerate(lines) if text.startswith("copypaste:")), len(lines))
-        report = "\n".join([*lines[:at], line, *lines[at:]])  # the copy-paste line stays last
-    return metrics, report, per_class
+        cls_map = metrics["cls_mAP"] = _image_classification(detections, dataset, metric)["cls_mAP"]
+        notes.append(f"image-level classification mAP (image scores vs labels): {100 * cls_map:.2f}")
+    return metrics, voc.format_results(results, dataset.classes, localisation, notes), per_class
 
 
 def random_baseline_line(chance: dict[str, float]) -> str:

@@ -242,10 +242,13 @@ def corloc(detections: _Images, annotations: _Images, num_classes: int, iou: flo
 
 
 def format_results(
-    results: Mapping[str, Any], class_names: Sequence[str], corloc_results: Mapping[str, Any] | None = None
+    results: Mapping[str, Any],
+    class_names: Sequence[str],
+    corloc_results: Mapping[str, Any] | None = None,
+    notes: Sequence[str] = (),
 ) -> str:
     """A per-class table of ``evaluate``'s results (and ``corloc``'s, if given: CorLoc and the share of
-    images whose top detection of the class is on a part) in percent, then a line
+    images whose top detection of the class is on a part) in percent, the ``notes`` lines, then a line
 
     ``copypaste: mAP(voc07,iou=0.5)=52.31, CorLoc=60.12, per-class AP: 45.30,60.10,...``
 
@@ -261,7 +264,7 @@ def format_results(
     if corloc_results is not None:
         headers += ["CorLoc", "on a part"]
         columns += [corloc_results["corloc"], corloc_results["on_part"]]
-        means += [corloc_results["CorLoc"], _nanmean(corloc_results["on_part"])]
+        means += [corloc_results["CorLoc"], corloc_results["OnPart"]]
         summary += f", CorLoc={_percent(corloc_results['CorLoc'])}"
 
     name_width = max(len(name) for name in ("class", *class_names))
@@ -273,7 +276,7 @@ def format_results(
     lines = [header, "-" * len(header)]
     for c, name in enumerate(class_names):
         lines.append(line(name, [_percent(values[c], missing="-") for values in columns]))
-    lines += ["-" * len(header), line("mean", [_percent(v, missing="-") for v in means])]
+    lines += ["-" * len(header), line("mean", [_percent(v, missing="-") for v in means]), *notes]
     lines.append(f"copypaste: {summary}, per-class AP: {','.join(_percent(v) for v in results['ap'])}")
     return "\n".join(lines)
 

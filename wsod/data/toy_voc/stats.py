@@ -25,7 +25,6 @@ from __future__ import annotations
 import argparse
 import json
 import logging
-import sys
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -314,7 +313,9 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     # Bars on a terminal only: in a log file their frames would bury the report.
-    report = toy_voc_stats(args.root, generator_seed=args.generator_seed, progress=sys.stderr.isatty())
+    report = toy_voc_stats(
+        args.root, generator_seed=args.generator_seed, progress=True
+    )  # drawn on a terminal only
     print(format_stats(report))
     path = Path(args.root) / "stats.json"
     with atomic_write(path, "w") as f:
