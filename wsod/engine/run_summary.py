@@ -502,8 +502,9 @@ def summary_figure(summary: Summary) -> Figure:
     # Beyond a few groups the labels are turned 45 degrees (anchored at their right end, under their
     # tick), and each group gets room for its label's lines: neighbours never overlap (the test measures).
     turned = count > 3
-    lines = max(label.count("\n") + 1 for label in labels)
-    step = max(1.0, 0.16 * lines + 0.45) if turned else max(1.0, 0.065 * max(map(len, labels)))
+    lines = [label.split("\n") for label in labels]
+    tallest, longest = max(map(len, lines)), max(len(line) for label in lines for line in label)
+    step = max(1.0, 0.16 * tallest + 0.45) if turned else max(1.0, 0.065 * longest)
     width = max(3.5, step * count + 1.5)
     height = 4.5 + (0.6 if turned else 0)
     # Side by side while the panels are narrow; one above the other once they are wide (many groups).
