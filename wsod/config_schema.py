@@ -57,6 +57,8 @@ from wsod.data.proposals.selective_search import MODES as SELECTIVE_SEARCH_MODES
 from wsod.data.toy import OBJECT_SIZE
 from wsod.data.toy_voc.generator import NUM_TEST as TOY_VOC_NUM_TEST
 from wsod.data.toy_voc.generator import NUM_TRAIN as TOY_VOC_NUM_TRAIN
+from wsod.data.toy_voc.pretraining import BASE_FILE as TOY_VOC_BASE_FILE
+from wsod.data.toy_voc.pretraining import BASE_STEPS as TOY_VOC_BASE_STEPS
 from wsod.data.transforms import TRAIN_SCALES
 from wsod.engine.amp import AMP_DTYPES
 from wsod.engine.balancing import BALANCE_CHOICES
@@ -231,6 +233,12 @@ class ToyVOCData:
     generator_seed: int = 0  # which draw of the images (0: the set the recipes are measured on)
     num_train: int = TOY_VOC_NUM_TRAIN  # images of the trainval split (smaller sets are for tests)
     num_test: int = TOY_VOC_NUM_TEST
+    # The benchmark's "ImageNet" (wsod.data.toy_voc.pretraining): the toy trunk pretrained on
+    # object-centric images of the classes, made under {root}/base on first use; configs/model/r18_c4.yaml
+    # and configs/detector/faster_rcnn_toy_voc.yaml start from it. null: they train from scratch.
+    base_weights: Optional[str] = "${data.root}/base/" + TOY_VOC_BASE_FILE
+    base_steps: int = TOY_VOC_BASE_STEPS  # the pretraining's steps (fewer are for tests)
+    base_neck_norm: Norm = Norm.gn  # res5's normalisation in the base (the toy detectors load it with it)
     train: ToyTrainData = field(default_factory=ToyTrainData)
     test: ToyTestData = field(default_factory=ToyTestData)
 
@@ -476,6 +484,8 @@ class Detector:
     width: float = 1.0
     weights: Optional[str] = "IMAGENET1K_V1"  # torchvision weights name or a local .pth path; null: random
     norm: DetectorNorm = DetectorNorm.frozen_bn  # frozen_bn (ImageNet weights) | bn (from scratch)
+    # res5's normalisation (null: norm's); gn to load the toy_voc base, pretrained with a GroupNorm res5
+    neck_norm: Optional[Norm] = None
     freeze_at: int = 2  # 0: train all; 1: the stem; 2: stem and res2 (torchvision's trainable_layers=3)
     fpn_channels: int = 256
     anchor_sizes: list[int] = field(default_factory=lambda: [32, 64, 128, 256, 512])  # one per level P2..P6

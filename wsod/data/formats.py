@@ -52,6 +52,9 @@ from wsod.data.folder import (
 )
 from wsod.data.toy import ToyDataset, ensure_toy_dataset
 from wsod.data.toy_voc.generator import ToyVOCDataset, check_generator_seed, ensure_toy_voc_dataset
+from wsod.data.toy_voc.pretraining import BASE_FILE as TOY_VOC_BASE_FILE
+from wsod.data.toy_voc.pretraining import BASE_STEPS as TOY_VOC_BASE_STEPS
+from wsod.data.toy_voc.pretraining import ensure_toy_voc_base
 from wsod.data.voc import VOCDataset
 
 __all__ = [
@@ -181,6 +184,21 @@ def _toy_voc(data: Settings, progress: bool = False) -> ToyVOCDataset:
     )
 
 
+def _prepare_toy_voc(data: Settings, progress: bool = False) -> None:
+    """The set, then its pretrained base when ``data.base_weights`` names the one made under
+    ``{root}/base`` (a file of the user's is theirs to bring; null: no base)."""
+    dataset = _toy_voc(data, progress)
+    weights = data.get("base_weights")
+    generated = dataset.root / "base" / TOY_VOC_BASE_FILE
+    if weights is not None and Path(weights) == generated:
+        ensure_toy_voc_base(
+            generated.parent,
+            generator_seed=check_generator_seed(_setting(data, "generator_seed", "toy_voc")),
+            steps=data.get("base_steps", TOY_VOC_BASE_STEPS),
+            progress=progress,
+        )
+
+
 def _open_toy_voc(data: Settings, source: Settings, /, **options: Any) -> WeakDetectionDataset:
     split = _setting(source, "image_set", "toy_voc", set_node=True)
     return _toy_voc(data).dataset(split, source.get("proposals"), **options)
@@ -245,7 +263,7 @@ def _words(values: dict[str, Any]) -> str:
 
 
 register_dataset_format(DatasetFormat("toy", _open_toy, prepare=_toy))
-register_dataset_format(DatasetFormat("toy_voc", _open_toy_voc, prepare=_toy_voc))
+register_dataset_format(DatasetFormat("toy_voc", _open_toy_voc, prepare=_prepare_toy_voc))
 register_dataset_format(DatasetFormat("voc", _open_voc))
 register_dataset_format(DatasetFormat("coco", _open_coco, drop_unlabelled_in_training=True))
 register_dataset_format(

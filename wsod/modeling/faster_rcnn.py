@@ -345,6 +345,7 @@ def build_faster_rcnn(
     width: float = 1.0,
     weights: str | None = "IMAGENET1K_V1",
     norm: str = "frozen_bn",
+    neck_norm: str | None = None,
     freeze_at: int = 2,
     fpn_channels: int = 256,
     anchor_sizes: Sequence[int] = (32, 64, 128, 256, 512),
@@ -363,7 +364,8 @@ def build_faster_rcnn(
 ) -> FasterRCNNDetector:
     """Faster R-CNN with an FPN on a ResNet (``configs/detector/``), for ``num_classes`` foreground classes.
 
-    ``backbone`` resnet18/34/50/101; ``width``, ``weights`` and ``norm`` as ``build_resnet_trunk``'s
+    ``backbone`` resnet18/34/50/101; ``width``, ``weights``, ``norm`` and ``neck_norm`` (res5's; None:
+    ``norm``'s) as ``build_resnet_trunk``'s
     (ImageNet weights with frozen BatchNorm for real data; ``width=0.25, weights=None, norm=bn`` for the
     toy on CPU); ``freeze_at`` as the weak detector's (2: stem and res2 frozen, torchvision's
     ``trainable_backbone_layers=3``). ``anchor_sizes``: one size per FPN level (P2..P6). The rest are
@@ -381,7 +383,9 @@ def build_faster_rcnn(
         raise ValueError(
             f"detector.anchor_sizes: one size per FPN level P2..P6 (5), got {list(anchor_sizes)}"
         )
-    trunk = build_resnet_trunk(int(backbone.removeprefix("resnet")), width=width, weights=weights, norm=norm)
+    trunk = build_resnet_trunk(
+        int(backbone.removeprefix("resnet")), width=width, weights=weights, norm=norm, neck_norm=neck_norm
+    )
     frozen = [["conv1", "bn1"], ["layer1"], ["layer2"], ["layer3"], ["layer4"]][:freeze_at]
     for names in frozen:
         for name in names:

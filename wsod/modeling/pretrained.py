@@ -8,7 +8,12 @@ import urllib.error
 import torch
 import torchvision
 
-__all__ = ["load_state_dict"]
+__all__ = ["is_weights_file", "load_state_dict"]
+
+
+def is_weights_file(weights: str) -> bool:
+    """Whether ``weights`` names a local file (a path, or a .pth / .pt name) rather than torchvision's."""
+    return os.path.sep in weights or weights.endswith((".pth", ".pt")) or os.path.exists(weights)
 
 
 def load_state_dict(weights: str, arch: str) -> dict[str, torch.Tensor]:
@@ -19,7 +24,7 @@ def load_state_dict(weights: str, arch: str) -> dict[str, torch.Tensor]:
     torchvision's; the caller maps and checks them. A failed download raises a ``RuntimeError`` that names
     the URL and torch hub's cache folder, so the file can be fetched on a connected machine.
     """
-    if os.path.sep in weights or weights.endswith((".pth", ".pt")) or os.path.exists(weights):
+    if is_weights_file(weights):
         if not os.path.isfile(weights):
             raise FileNotFoundError(f"backbone weights file not found: {weights}")
         state = torch.load(weights, map_location="cpu", weights_only=True)

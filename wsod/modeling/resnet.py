@@ -18,7 +18,7 @@ from torchvision.models.resnet import BasicBlock, Bottleneck
 
 from wsod.modeling.backbone import Backbone
 from wsod.modeling.frozen_bn import FrozenBatchNorm2d
-from wsod.modeling.pretrained import load_state_dict
+from wsod.modeling.pretrained import is_weights_file, load_state_dict
 
 __all__ = [
     "build_resnet_trunk",
@@ -137,12 +137,26 @@ def build_resnet_trunk(
     neck_norm = neck_norm or norm
     trunk = _ResNetTrunk(depth, width, make_norm_layer(norm), make_norm_layer(neck_norm))
     if weights is not None:
-        if width != 1.0:
-            raise ValueError(f"ImageNet weights need width=1.0, got width={width}")
-        if "gn" in (norm, neck_norm):
-            raise ValueError("ImageNet BatchNorm weights cannot initialise GroupNorm layers")
+        # torchvision's named weights are the full-width BatchNorm networks; a local file may hold any
+        # trunk with torchvision's keys (the toy_voc base: width 0.25, GroupNorm res5), checked below.
+        if not is_weights_file(weights):
+            if width != 1.0:
+                raise ValueError(f"ImageNet weights need width=1.0, got width={width}")
+            if "gn" in (norm, neck_norm):
+                raise ValueError("ImageNet BatchNorm weights cannot initialise GroupNorm layers")
         state = load_state_dict(weights, f"resnet{depth}")
         state = {k: v for k, v in state.items() if not k.startswith("fc.")}
+        own = trunk.state_dict()
+        wrong = [
+            f"{k} {tuple(v.shape)} (expected {tuple(own[k].shape)})"
+            for k, v in state.items()
+            if k in own and v.shape != own[k].shape
+        ]
+        if wrong:
+            raise ValueError(
+                f"weights '{weights}' do not fit resnet{depth} at width={width}, norm={norm},"
+                f" neck_norm={neck_norm}: {', '.join(wrong[:3])}"
+            )
         missing, unexpected = trunk.load_state_dict(state, strict=False)
         # FrozenBatchNorm2d has no num_batches_tracked buffer; anything else missing is a wrong file.
         missing = [k for k in missing if not k.endswith("num_batches_tracked")]
