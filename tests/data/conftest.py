@@ -12,6 +12,7 @@ import pytest
 from PIL import Image
 
 from wsod.data.toy import ToyDataset, ensure_toy_dataset
+from wsod.data.toy_voc.generator import ToyVOCDataset, ensure_toy_voc_dataset
 
 
 def write_jpeg(path: Path, height: int, width: int, seed: int = 0) -> np.ndarray:
@@ -108,3 +109,11 @@ def write_json(tmp_path: Path) -> Callable[[dict, str], Path]:
 def tiny_toy(tmp_path_factory: pytest.TempPathFactory) -> ToyDataset:
     """A 10 + 6 image toy dataset (Selective Search in-process: no worker start-up cost)."""
     return ensure_toy_dataset(tmp_path_factory.mktemp("toy") / "toy", num_train=10, num_test=6, workers=1)
+
+
+@pytest.fixture(scope="session")
+def tiny_toy_voc(tmp_path_factory) -> ToyVOCDataset:
+    """A VOC-like set of 8 + 4 images (Selective Search included: the slow part, made once)."""
+    return ensure_toy_voc_dataset(
+        tmp_path_factory.mktemp("toy_voc") / "data" / "toy_voc", num_train=8, num_test=4, workers=1
+    )

@@ -43,13 +43,6 @@ def drawn() -> list[ToyVOCImage]:
     return [render_toy_voc_image(0, n) for n in range(SAMPLE)]
 
 
-@pytest.fixture(scope="module")
-def tiny_toy_voc(tmp_path_factory):
-    return ensure_toy_voc_dataset(
-        tmp_path_factory.mktemp("toy_voc") / "data" / "toy_voc", num_train=8, num_test=4, workers=1
-    )
-
-
 def test_images_are_drawn_from_their_own_seed():
     a, b = render_toy_voc_image(0, 5), render_toy_voc_image(0, 5)
     np.testing.assert_array_equal(a.image, b.image)

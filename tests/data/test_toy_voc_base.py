@@ -4,6 +4,7 @@ and the toy models that start from it when ``data=toy_voc``."""
 from __future__ import annotations
 
 import json
+import shutil
 
 import numpy as np
 import pytest
@@ -87,13 +88,13 @@ def test_toy_voc_configs_start_the_toy_models_from_the_base_and_other_data_from_
     assert toy_stage2.detector.weights is None and toy_stage2.detector.neck_norm is None
 
 
-def test_prepare_makes_the_base_the_models_then_load(tmp_path):
-    root = tmp_path / "toy_voc"
+def test_prepare_makes_the_base_the_models_then_load(tiny_toy_voc, tmp_path):
+    root = tiny_toy_voc.root
     overrides = (
         "data=toy_voc",
         f"data.root={root}",
-        "data.num_train=2",
-        "data.num_test=1",
+        "data.num_train=8",
+        "data.num_test=4",
         "data.base_steps=2",
     )
     cfg = composed("train", overrides)
@@ -107,9 +108,6 @@ def test_prepare_makes_the_base_the_models_then_load(tmp_path):
     name = next(n for n in trunk_conv1 if n.endswith("body.conv1.weight"))
     assert torch.equal(trunk_conv1[name], state["conv1.weight"])
     # A file of the user's (not {root}/base's) is theirs: prepare makes nothing.
-    other = tmp_path / "other"
-    cfg = composed(
-        "train", (*overrides[:1], f"data.root={other}", *overrides[2:], "data.base_weights=mine.pth")
-    )
-    prepare_data(cfg.data)
-    assert not (other / "base").exists()
+    shutil.rmtree(root / "base")
+    prepare_data(composed("train", (*overrides, "data.base_weights=mine.pth")).data)
+    assert not (root / "base").exists()

@@ -61,6 +61,7 @@ BASE_FILE = "resnet18_w0.25.pth"
 BASE_STEPS = 2000  # 20,000 images, 6.4 epochs of batch 64: 97% held-out top-1 (docs/RESULTS.md)
 MANIFEST_NAME = "toy_voc_base.json"
 NUM_IMAGES = 20_000  # the fixed training set, seen over several epochs (ImageNet's 1.28 M over 90)
+NUM_VAL = 1000  # held-out images (drawn after the training ones) for the reported top-1 accuracy
 IMAGE_SIZE = 128  # pixels, square: ImageNet's 224 over its objects' size, scaled to toy_voc's objects
 OBJECT_SIDE = (0.5, 0.9)  # of the image side: ImageNet's objects fill most of the frame
 # The toy model's trunk (configs/model/r18_c4.yaml): the base in train-mode BatchNorm, res5 in GroupNorm.
@@ -141,22 +142,26 @@ def pretrain_toy_voc_base(
     lr: float = 0.1,
     weight_decay: float = 1e-4,
     num_images: int | None = None,
-    num_val: int = 1000,
+    num_val: int | None = None,
     seed: int = 0,
     progress: bool = False,
 ) -> dict:
     """Train the toy trunk on object-centric images and write its state dict (torchvision's keys, the
     classifier as ``fc.*``) to ``path``, from ``num_images`` drawn images (None: ``NUM_IMAGES``, or
     ``steps * batch_size`` when fewer). Returns what was measured: the held-out top-1 accuracy (on
-    ``num_val`` images after the training ones), the final loss, the seconds taken.
+    ``num_val`` images after the training ones; None: ``NUM_VAL``, fewer for a short run), the final
+    loss, the seconds taken.
 
-    The recipe is torchvision's ImageNet classification reference (SGD, momentum 0.9, weight decay 1e-4,
-    lr 0.1 for a batch of 256) with the lr scaled linearly to ``batch_size`` (Goyal et al., 2017), a
-    cosine decay after a 5% linear warm-up, and horizontal flips.
+    The recipe is torchvision's ImageNet classification reference (references/classification/train.py's
+    defaults: SGD, momentum 0.9, weight decay 1e-4, lr 0.1 for 8 GPUs x 32 images) with the lr scaled
+    linearly to ``batch_size`` (Goyal et al., 2017), a cosine decay after a 5% linear warm-up, and
+    horizontal flips.
     """
     generator_seed = check_generator_seed(generator_seed)
     if num_images is None:  # a short (test) run draws only what it sees
         num_images = min(NUM_IMAGES, steps * batch_size)
+    if num_val is None:  # 1,000 held-out images, or a twentieth of a short run's (at least 100)
+        num_val = min(NUM_VAL, max(100, num_images // 20))
     start = time.perf_counter()
     images, labels = render_pretraining_images(generator_seed, num_images, progress=progress)
     val_images, val_labels = render_pretraining_images(generator_seed, num_val, first=num_images)
