@@ -99,7 +99,7 @@ def naive_multi_seeds(boxes, branches, labels, *, top_fraction, ratio, nms_iou, 
         for i in chosen[0]:  # greedy NMS in rank order, dropped at IoU >= nms_iou (cython_nms.pyx:84)
             if all(_inclusive_iou(rois[i], rois[j]) < nms_iou for j in kept):
                 kept.append(i)
-        for i in kept:
+        for i in reversed(kept):  # the reference's output order: increasing score (cython_nms.pyx:87)
             n = 1 + sum(
                 any(_inclusive_iou(rois[i], rois[j]) > vote_iou for j in other) for other in chosen[1:]
             )
@@ -168,7 +168,7 @@ def test_the_seed_nms_drops_a_box_at_iou_equal_to_its_threshold_as_the_reference
             boxes.to(dtype), [column], torch.ones(1),
             top_fraction=1.0, score_ratio=0.0, nms_iou=0.4, vote_iou=0.5, vote_gamma=1.0, vote_offset=0.0,
         )  # fmt: skip
-        assert seeds[0].tolist() == [[0.0, 0.0, 99.0, 99.0], [200.0, 0.0, 239.0, 99.0]]
+        assert seeds[0].tolist() == [[200.0, 0.0, 239.0, 99.0], [0.0, 0.0, 99.0, 99.0]]  # increasing score
         just_above = multi_seeds(
             boxes.to(dtype), [column], torch.ones(1),
             top_fraction=1.0, score_ratio=0.0, nms_iou=0.41, vote_iou=0.5, vote_gamma=1.0, vote_offset=0.0,
@@ -224,15 +224,23 @@ def test_multi_seed_votes_and_scores_by_hand():
     assert seeds[2].item() == pytest.approx(0.9 * (1 + (2 / 3) ** 0.4))
 
 
-def test_a_tie_between_two_seeds_goes_to_the_first_in_nms_order():
-    # The ROI is at IoU 1/3 with each seed: it takes the first, the higher-scoring one of its class.
-    seeds = (
-        torch.tensor([[0.0, 0, 20, 10], [10, 0, 30, 10]]),
-        torch.tensor([1, 1]),
-        torch.tensor([0.8, 0.6]),
+def test_a_tie_between_two_seeds_of_a_class_goes_to_the_lower_scoring_one_as_the_reference():
+    # CBL-WSOD returns a class's seeds in increasing score order (np.argsort's last k, then cython_nms's
+    # input order) and its _sample_rois takes the first maximal overlap: the ROI at IoU 1/3 with each of
+    # two seeds takes the lower-scoring one, its weight 0.6.
+    proposals = torch.tensor([[0.0, 0, 19, 9], [10, 0, 29, 9], [5, 0, 24, 9]])
+    scores = torch.tensor([[0.8], [0.6], [0.01]])
+    boxes, classes, seed_scores = multi_seeds(
+        proposals, [scores], torch.tensor([1.0]), top_fraction=1.0, score_ratio=0.5, nms_iou=0.4,
+        vote_iou=0.5, vote_gamma=1.0, vote_offset=0.0,
+    )  # fmt: skip
+    assert boxes.tolist() == [[10, 0, 29, 9], [0, 0, 19, 9]] and seed_scores.tolist() == pytest.approx(
+        [0.6, 0.8]
     )
-    labels, weights, _, _ = assign_seeds(torch.tensor([[5.0, 0, 25, 10]]), seeds, fg_iou=0.3, bg_iou=0.1)
-    assert labels.tolist() == [2] and weights.tolist() == pytest.approx([0.8])
+    labels, weights, _, _ = assign_seeds(
+        torch.tensor([[5.0, 0, 24, 9]]), (boxes, classes, seed_scores), fg_iou=0.3, bg_iou=0.1
+    )
+    assert labels.tolist() == [1] and weights.tolist() == pytest.approx([0.6])
 
 
 def test_top1_seeding_removes_the_picked_roi_from_later_classes():

@@ -128,8 +128,8 @@ def multi_seeds(
     suppressed by NMS at ``nms_iou`` (a box goes at IoU >= ``nms_iou`` with a kept one). Each kept branch-0
     box is a seed of class c with score s x (vote_offset + (n / N) ^ vote_gamma), where s is its branch-0
     score and n counts branch 0 and each other branch with a selected box at IoU > ``vote_iou`` with it.
-    Both IoUs in inclusive pixels (``x2 - x1 + 1``), as the reference's. Seeds in NMS order (decreasing
-    score) within a class. Returns (boxes (G, 4), classes (G,), scores (G,))."""
+    Both IoUs in inclusive pixels (``x2 - x1 + 1``), as the reference's. Seeds in increasing score order
+    within a class, as the reference returns them. Returns (boxes (G, 4), classes (G,), scores (G,))."""
     num_rois = proposals.shape[0]
     cap = max(1, int(num_rois * top_fraction))
     boxes, classes, box_scores = [], [], []
@@ -143,6 +143,10 @@ def multi_seeds(
         rank = torch.arange(len(top), 0, -1, dtype=proposals.dtype, device=proposals.device)
         # The reference's cython NMS: inclusive pixels, dropped at IoU >= nms_iou (inclusive_nms).
         kept = top[inclusive_nms(proposals[top], rank, nms_iou)]
+        # The reference's seeds of a class come in increasing score order: its top k are np.argsort's last
+        # k (ascending) and cython_nms returns the kept ones in input order (cython_nms.pyx:87), so an ROI
+        # tied between two seeds of one class goes to the lower-scoring one (assign_seeds takes the first).
+        kept = kept.flip(0)
         votes = torch.ones(len(kept), dtype=proposals.dtype, device=proposals.device)
         for other in selected[1:]:
             overlaps = inclusive_box_iou(proposals[kept], proposals[other])  # bbox_overlaps: + 1
