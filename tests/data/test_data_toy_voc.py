@@ -24,6 +24,7 @@ from wsod.data.toy_voc.generator import (
     MIN_INSIDE,
     MIN_VISIBLE,
     OBJECT_SIDE,
+    OWN_COLOUR_P,
     SHORT_SIDE,
     TOY_VOC_CLASSES,
     ToyVOCImage,
@@ -31,6 +32,7 @@ from wsod.data.toy_voc.generator import (
     ensure_toy_voc_dataset,
     render_toy_voc_image,
 )
+from wsod.data.toy_voc.pretraining import render_object_centric_image
 from wsod.data.toy_voc.stats import discriminative_regions, format_stats, image_stats, toy_voc_stats
 from wsod.data.voc import load_voc_records
 
@@ -230,3 +232,20 @@ def test_the_config_composes_checks_and_opens(tiny_toy_voc):
     data.update(root=str(tiny_toy_voc.root), num_train=8, num_test=4)
     dataset = dataset_format("toy_voc").open(data, data["test"]["set"])
     assert len(dataset) == 4 and dataset.classes == TOY_VOC_CLASSES
+
+
+def test_colour_is_a_hint_not_the_class():
+    # The centre of a lone circle (pretraining images centre one object of class number % 20) is body:
+    # its colour is the circle's own in about OWN_COLOUR_P + (1 - OWN_COLOUR_P) / 14 of the images (43%),
+    # another class's in the rest, so no patch of colour names the class.
+    circle = TOY_VOC_CLASSES.index("circle")
+    own = np.array([235.0, 110.0, 90.0])
+    distances = []
+    for k in range(60):
+        image, cls = render_object_centric_image(0, circle + 20 * k)
+        assert cls == circle
+        centre = image[59:69, 59:69].reshape(-1, 3).astype(float)
+        distances.append(np.linalg.norm(np.median(centre, axis=0) - own))
+    close = sum(d < 60 for d in distances)
+    assert 12 <= close <= 40 and sum(d > 90 for d in distances) >= 15, sorted(distances)
+    assert 0 < OWN_COLOUR_P < 1

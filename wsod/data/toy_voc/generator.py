@@ -10,7 +10,9 @@ touching. This set carries the difficulties weak supervision meets on PASCAL VOC
   that learns the part alone (part domination) scores well on classification and badly on boxes. The
   other eight have a body of their own and a common grey knob: their body is what tells them apart.
   Within a class the body's proportions, the aspect ratio (0.8-1.25), the rotation (+-25 degrees), the
-  colour (jittered per object) and the texture (plain, stripes, spots, gradient) vary.
+  colour and the texture (plain, stripes, spots, gradient) vary. The colour of the body and of the part
+  is the class's own in ``OWN_COLOUR_P`` of the objects and another class's otherwise (then jittered),
+  so the outline, not a patch of colour, tells the classes apart.
 * **1 to 6 instances** per image (``INSTANCE_COUNT_P``, mean 2.51), often of one class
   (``SAME_CLASS_P``), with class co-occurrence from a fixed affinity table (``AFFINITY_PAIRS``: the partner
   of an image's first class joins it with ``PARTNER_P``, as a horse's rider does); later objects occlude
@@ -70,7 +72,9 @@ __all__ = [
 
 logger = logging.getLogger(__name__)
 
-FORMAT_VERSION = 2  # 2: calibrated for headroom (docs/RESULTS.md): larger objects, calmer clutter
+# 2: calibrated for headroom (docs/RESULTS.md): larger objects, calmer clutter. 3: colour a hint, not the
+# class (OWN_COLOUR_P): with a pretrained base, any fragment of a body named its class by colour alone.
+FORMAT_VERSION = 3
 MANIFEST_NAME = "toy_voc.json"
 YEAR = "2007"
 NUM_TRAIN, NUM_TEST = 2500, 1000
@@ -103,6 +107,11 @@ BODY_OF_CLASS = tuple(row[1] for row in _CLASS_TABLE)
 PART_OF_CLASS = tuple(row[3] for row in _CLASS_TABLE)
 _BODY_COLOURS = np.array([row[2] for row in _CLASS_TABLE], np.float32)
 _PART_COLOURS = np.array([row[4] for row in _CLASS_TABLE], np.float32)
+# Every body (part) colour of the table, each once: an object takes its class's own colour with
+# OWN_COLOUR_P, else one of these at random, so that colour is a hint (VOC's sheep are mostly white) and
+# the outline, which only a whole-object box sees, is what names the class.
+_BODY_PALETTE = np.unique(_BODY_COLOURS, axis=0)
+_PART_PALETTE = np.unique(_PART_COLOURS, axis=0)
 
 # Classes that come together, each class in at most one pair (person and horse, boat and water).
 AFFINITY_PAIRS = (
@@ -124,6 +133,7 @@ _PARTNER = {
 INSTANCE_COUNT_P = (0.30, 0.27, 0.20, 0.12, 0.07, 0.04)  # P(1 object), ..., P(6 objects)
 PARTNER_P = 0.9  # the first class's affinity partner joins an image of two objects or more
 SAME_CLASS_P = 0.45  # each further object repeats the first class, else any class
+OWN_COLOUR_P = 0.4  # an object's body and its part each take the class's own colour, else the palette's
 SHORT_SIDE = (200, 320)  # pixels, inclusive
 OBJECT_SIDE = (0.10, 0.70)  # of the shorter side, uniform (median 40%: VOC's objects are mostly large)
 ASPECTS = ((4 / 3, 0.6), (3 / 4, 0.3), (1.0, 0.1))  # width / height, probability
@@ -487,9 +497,19 @@ def _paint(image: np.ndarray, obj: _Object, rng: np.random.Generator, *, body: b
     slices = _window_slices(obj.window, height, width)
     # The draws come first, whether or not the object shows: the image's later draws do not depend on it.
     wh, ww = obj.body_cover.shape
-    body_colour = _BODY_COLOURS[obj.cls] * rng.uniform(0.85, 1.12) + rng.normal(0, 10, 3)
+    body_base = (
+        _BODY_COLOURS[obj.cls]
+        if rng.random() < OWN_COLOUR_P
+        else _BODY_PALETTE[rng.integers(len(_BODY_PALETTE))]
+    )
+    part_base = (
+        _PART_COLOURS[obj.cls]
+        if rng.random() < OWN_COLOUR_P
+        else _PART_PALETTE[rng.integers(len(_PART_PALETTE))]
+    )
+    body_colour = body_base * rng.uniform(0.85, 1.12) + rng.normal(0, 10, 3)
     texture = _texture(rng, wh, ww)
-    part_colour = _PART_COLOURS[obj.cls] * rng.uniform(0.9, 1.08) + rng.normal(0, 8, 3)
+    part_colour = part_base * rng.uniform(0.9, 1.08) + rng.normal(0, 8, 3)
     noise = rng.normal(0, 5, (wh, ww, 3)).astype(np.float32)
     if PART_OF_CLASS[obj.cls] in _PART_STRIPES:
         yy = np.arange(wh, dtype=np.float32)[:, None]
