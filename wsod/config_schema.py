@@ -57,6 +57,7 @@ from wsod.data.proposals.selective_search import MODES as SELECTIVE_SEARCH_MODES
 from wsod.data.toy import OBJECT_SIZE
 from wsod.data.toy_voc.generator import NUM_TEST as TOY_VOC_NUM_TEST
 from wsod.data.toy_voc.generator import NUM_TRAIN as TOY_VOC_NUM_TRAIN
+from wsod.data.toy_voc.pretraining import ARCH as TOY_VOC_BASE_ARCH
 from wsod.data.toy_voc.pretraining import BASE_FILE as TOY_VOC_BASE_FILE
 from wsod.data.toy_voc.pretraining import BASE_STEPS as TOY_VOC_BASE_STEPS
 from wsod.data.transforms import TRAIN_SCALES
@@ -235,10 +236,11 @@ class ToyVOCData:
     num_test: int = TOY_VOC_NUM_TEST
     # The benchmark's "ImageNet" (wsod.data.toy_voc.pretraining): the toy trunk pretrained on
     # object-centric images of the classes, made under {root}/base on first use; configs/model/r18_c4.yaml
-    # and configs/detector/faster_rcnn_toy_voc.yaml start from it. null: they train from scratch.
+    # and configs/detector/faster_rcnn_toy.yaml start from it. null: they train from scratch.
     base_weights: Optional[str] = "${data.root}/base/" + TOY_VOC_BASE_FILE
     base_steps: int = TOY_VOC_BASE_STEPS  # the pretraining's steps (fewer are for tests)
-    base_neck_norm: Norm = Norm.gn  # res5's normalisation in the base (the toy detectors load it with it)
+    # res5's normalisation in the base, as it was pretrained (the toy detectors load it with it)
+    base_neck_norm: Norm = Norm(TOY_VOC_BASE_ARCH["neck_norm"])
     train: ToyTrainData = field(default_factory=ToyTrainData)
     test: ToyTestData = field(default_factory=ToyTestData)
 

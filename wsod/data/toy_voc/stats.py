@@ -312,10 +312,8 @@ def main(argv: list[str] | None = None) -> int:
     )
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(message)s")
-    # Bars on a terminal only: in a log file their frames would bury the report.
-    report = toy_voc_stats(
-        args.root, generator_seed=args.generator_seed, progress=True
-    )  # drawn on a terminal only
+    # Asked for, but drawn on a terminal only (wsod.progress): in a log file frames would bury the report.
+    report = toy_voc_stats(args.root, generator_seed=args.generator_seed, progress=True)
     print(format_stats(report))
     path = Path(args.root) / "stats.json"
     with atomic_write(path, "w") as f:
