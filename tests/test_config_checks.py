@@ -23,6 +23,7 @@ from wsod.config_checks import (
     EXPORT_RULES,
     PREDICT_RULES,
     STAGE2_RULES,
+    STAGE3_RULES,
     TRAIN_RULES,
     ConfigError,
     check_config,
@@ -384,3 +385,23 @@ def test_every_train_set_with_partial_labels_is_named():
         _refusal(0, "a.json", "pcl", "PCLMethod"),
         _refusal(2, "b.json", "pcl", "PCLMethod"),
     ]
+
+
+@pytest.mark.parametrize("name,node", [("train", "model"), ("stage2", "detector"), ("stage3", "detector")])
+def test_a_model_on_the_toy_voc_base_must_build_its_stem_as_the_base_was_pretrained(name, node):
+    rules = {"train": TRAIN_RULES, "stage2": STAGE2_RULES, "stage3": STAGE3_RULES}[name]
+    data = {
+        "train": ("data=toy_voc",),
+        "stage2": ("data=toy_voc", "pseudo_labels=run/pseudo_labels.json"),
+        "stage3": (
+            "data=toy_voc",
+            "pseudo_labels=run/pseudo_labels.json",
+            "split=run/split.json",
+            "initial_weights=run/model_final.pth",
+        ),
+    }[name]
+    check_config(_composed(name, data), rules)  # the defaults agree
+    with pytest.raises(ConfigError, match=rf"{node}.stem_pool=true: {node}.weights is the data's toy base"):
+        check_config(_composed(name, (*data, f"{node}.stem_pool=true")), rules)
+    # Other weights (or none) may build either stem.
+    check_config(_composed(name, (*data, f"{node}.stem_pool=true", f"{node}.weights=null")), rules)

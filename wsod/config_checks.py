@@ -466,6 +466,7 @@ def check_config(cfg: DictConfig | Mapping[str, Any], rules: Mapping[str, _Rule]
         problems += method_problems + _gradnorm_problems(values, method)
     if rules is EXPORT_RULES:
         problems += _export_source_problems(flat)
+    problems += _base_stem_problems(flat)
     if problems:
         raise ConfigError("invalid configuration:\n  " + "\n  ".join(problems))
 
@@ -503,6 +504,26 @@ def _gradnorm_problems(values: Mapping[str, Any], method: Any) -> list[str]:
     except (TypeError, ValueError) as error:
         return [f"solver.gradnorm: {error}"]
     return []
+
+
+def _base_stem_problems(flat: Mapping[str, Any]) -> list[str]:
+    """A model loading the data's pretrained toy base (toy_voc's ``data.base_weights``) must build its
+    stem as the base was trained: the weights file cannot tell (the max pooling has no parameters), and
+    a mismatch would silently feed every stage features at twice or half the scale they learnt."""
+    base, pooled = flat.get("data.base_weights"), flat.get("data.base_stem_pool")
+    problems = []
+    for node in ("model", "detector"):
+        stem_pool = flat.get(f"{node}.stem_pool")
+        if base is None or pooled is None or stem_pool is None or flat.get(f"{node}.weights") != base:
+            continue
+        if stem_pool != pooled:
+            want = str(pooled).lower()  # as an override is typed
+            problems.append(
+                f"{node}.stem_pool={str(stem_pool).lower()}: {node}.weights is the data's toy base"
+                f" ({base}), pretrained with data.base_stem_pool={want}; drop the override, or set"
+                f" {node}.stem_pool={want}"
+            )
+    return problems
 
 
 def _teacher_problems(flat: Mapping[str, Any]) -> list[str]:

@@ -241,6 +241,7 @@ class ToyVOCData:
     base_steps: int = TOY_VOC_BASE_STEPS  # the pretraining's steps (fewer are for tests)
     # res5's normalisation in the base, as it was pretrained (the toy detectors load it with it)
     base_neck_norm: Norm = Norm(TOY_VOC_BASE_ARCH["neck_norm"])
+    base_stem_pool: bool = TOY_VOC_BASE_ARCH["stem_pool"]  # its stem's max pooling (false: stride 8)
     train: ToyTrainData = field(default_factory=ToyTrainData)
     test: ToyTestData = field(default_factory=ToyTestData)
 
@@ -385,6 +386,7 @@ class ResNetC4Model(Model):
     width: float = 1.0
     norm: Norm = Norm.frozen_bn  # the base's
     neck_norm: Optional[Norm] = Norm.frozen_bn  # res5's (train-mode bn is refused under sequential backprop)
+    stem_pool: bool = True  # the stem's max pooling; false: C4 at stride 8 (the toy_voc base, its ARCH)
 
 
 # -- solver ----------------------------------------------------------------------------------------
@@ -489,6 +491,7 @@ class Detector:
     # res5's normalisation (null: norm's); gn to load the toy_voc base, pretrained with a GroupNorm res5
     neck_norm: Optional[Norm] = None
     freeze_at: int = 2  # 0: train all; 1: the stem; 2: stem and res2 (torchvision's trainable_layers=3)
+    stem_pool: bool = True  # the stem's max pooling; false: FPN levels at half their strides (toy_voc base)
     fpn_channels: int = 256
     anchor_sizes: list[int] = field(default_factory=lambda: [32, 64, 128, 256, 512])  # one per level P2..P6
     aspect_ratios: list[float] = field(default_factory=lambda: [0.5, 1.0, 2.0])

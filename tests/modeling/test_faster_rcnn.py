@@ -70,6 +70,14 @@ def test_a_collated_batch_trains_with_torchvision_losses_and_every_trainable_wei
         model.eval()(**_batch())
 
 
+def test_without_the_stem_pooling_the_fpn_levels_halve_their_strides_and_still_train():
+    model = build_faster_rcnn(3, **TOY, stem_pool=False).train()
+    levels = model.detector.backbone(torch.zeros(1, 3, 96, 128))
+    assert [tuple(v.shape[-2:]) for v in levels.values()] == [(48, 64), (24, 32), (12, 16), (6, 8), (3, 4)]
+    losses = model(**_batch()).losses
+    assert all(torch.isfinite(v) for v in losses.values())
+
+
 def test_images_are_neither_resized_nor_normalised_again():
     model = build_faster_rcnn(3, **TOY)
     image = torch.randn(3, 80, 120)

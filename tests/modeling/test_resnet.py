@@ -26,6 +26,16 @@ def test_output_shapes_and_stride(depth, width, c4, c5):
     assert isinstance(base.stem.bn1, FrozenBatchNorm2d)
 
 
+def test_without_the_stem_pooling_the_c4_features_are_at_stride_8_with_the_same_parameters():
+    pooled = resnet_c4_backbone(18, width=0.25, norm="bn")
+    unpooled = resnet_c4_backbone(18, width=0.25, norm="bn", stem_pool=False)
+    assert (pooled.stride, unpooled.stride) == (16, 8)
+    assert isinstance(unpooled.base.stem.maxpool, torch.nn.Identity)
+    assert pooled.base.state_dict().keys() == unpooled.base.state_dict().keys()  # one weights file fits both
+    with torch.no_grad():
+        assert unpooled.base(torch.randn(1, 3, 96, 160)).shape == (1, 64, 12, 20)
+
+
 def test_freeze_at():
     base, res5 = build_resnet_c4(18, width=0.25, freeze_at=2)
     assert not any(p.requires_grad for p in base.stem.parameters())

@@ -347,6 +347,7 @@ def build_faster_rcnn(
     norm: str = "frozen_bn",
     neck_norm: str | None = None,
     freeze_at: int = 2,
+    stem_pool: bool = True,
     fpn_channels: int = 256,
     anchor_sizes: Sequence[int] = (32, 64, 128, 256, 512),
     aspect_ratios: Sequence[float] = (0.5, 1.0, 2.0),
@@ -365,7 +366,8 @@ def build_faster_rcnn(
     """Faster R-CNN with an FPN on a ResNet (``configs/detector/``), for ``num_classes`` foreground classes.
 
     ``backbone`` resnet18/34/50/101; ``width``, ``weights``, ``norm`` and ``neck_norm`` (res5's; None:
-    ``norm``'s) as ``build_resnet_trunk``'s
+    ``norm``'s) and ``stem_pool`` (False: the FPN's levels at half their strides, as the toy_voc base
+    was trained) as ``build_resnet_trunk``'s
     (ImageNet weights with frozen BatchNorm for real data; ``width=0.25, weights=None, norm=bn`` for the
     toy on CPU); ``freeze_at`` as the weak detector's (2: stem and res2 frozen, torchvision's
     ``trainable_backbone_layers=3``). ``anchor_sizes``: one size per FPN level (P2..P6). The rest are
@@ -384,7 +386,12 @@ def build_faster_rcnn(
             f"detector.anchor_sizes: one size per FPN level P2..P6 (5), got {list(anchor_sizes)}"
         )
     trunk = build_resnet_trunk(
-        int(backbone.removeprefix("resnet")), width=width, weights=weights, norm=norm, neck_norm=neck_norm
+        int(backbone.removeprefix("resnet")),
+        width=width,
+        weights=weights,
+        norm=norm,
+        neck_norm=neck_norm,
+        stem_pool=stem_pool,
     )
     frozen = [["conv1", "bn1"], ["layer1"], ["layer2"], ["layer3"], ["layer4"]][:freeze_at]
     for names in frozen:

@@ -32,7 +32,7 @@ __all__ = [
 
 # res5's first block has stride 2: 14x14 pooled ROI features come out as 7x7.
 RES5_SPATIAL_STRIDE = 2
-# stem (4) x res3 (2) x res4 (2): the C4 feature map is at 1/16 of the input.
+# stem (4: conv1 and its max pooling) x res3 (2) x res4 (2): the C4 feature map is at 1/16 of the input.
 C4_STRIDE = 16
 
 _ARCHS: dict[int, tuple[type[nn.Module], list[int]]] = {
@@ -91,6 +91,7 @@ class _ResNetTrunk(nn.Module):
         width: float,
         norm_layer: Callable[[int], nn.Module],
         neck_norm_layer: Callable[[int], nn.Module],
+        stem_pool: bool = True,
     ) -> None:
         super().__init__()
         if depth not in _ARCHS:
@@ -100,7 +101,8 @@ class _ResNetTrunk(nn.Module):
         self.conv1 = nn.Conv2d(3, widths[0], kernel_size=7, stride=2, padding=3, bias=False)
         self.bn1 = norm_layer(widths[0])
         self.relu = nn.ReLU(inplace=True)
-        self.maxpool = nn.MaxPool2d(kernel_size=3, stride=2, padding=1)
+        # Identity keeps the child (and the names) when the stem does not pool; neither has parameters.
+        self.maxpool = nn.MaxPool2d(kernel_size=3, stride=2, padding=1) if stem_pool else nn.Identity()
         inplanes = widths[0]
         for index, (planes, count) in enumerate(zip(widths, counts, strict=True)):
             stage_norm = neck_norm_layer if index == 3 else norm_layer
@@ -122,6 +124,7 @@ def build_resnet_trunk(
     weights: str | None = None,
     norm: str = "frozen_bn",
     neck_norm: str | None = None,
+    stem_pool: bool = True,
 ) -> nn.Module:
     """The ResNet without its classifier: children ``conv1``, ``bn1``, ``relu``, ``maxpool``, ``layer1`` ..
     ``layer4`` in forward order, with torchvision's parameter names (``build_resnet_c4`` splits it at res5;
@@ -133,9 +136,14 @@ def build_resnet_trunk(
         weights: ImageNet weights (torchvision name or file path); ``None`` for random initialisation.
         norm: normalisation of the stem and ``layer1`` .. ``layer3``, see ``make_norm_layer``.
         neck_norm: normalisation of ``layer4`` (default: same as ``norm``).
+        stem_pool: the stem's 3x3 max pooling (torchvision's ResNet). False halves every stage's stride
+            and, in pixels, res4's receptive field (211 -> 107 px for ResNet-18), at four times the
+            compute: the toy_voc base's choice, whose objects are a third of VOC's in pixels (its
+            ``ARCH``). A weights file does not record it (the pooling has no parameters): the model must
+            be built as its weights were trained.
     """
     neck_norm = neck_norm or norm
-    trunk = _ResNetTrunk(depth, width, make_norm_layer(norm), make_norm_layer(neck_norm))
+    trunk = _ResNetTrunk(depth, width, make_norm_layer(norm), make_norm_layer(neck_norm), stem_pool)
     if weights is not None:
         # torchvision's named weights are the full-width BatchNorm networks; a local file may hold any
         # trunk with torchvision's keys (the toy_voc base: width 0.25, GroupNorm res5), checked below.
@@ -183,6 +191,7 @@ def build_resnet_c4(
     norm: str = "frozen_bn",
     neck_norm: str | None = None,
     freeze_at: int = 2,
+    stem_pool: bool = True,
 ) -> tuple[nn.Sequential, nn.Sequential]:
     """Build the C4 base and the res5 neck.
 
@@ -191,14 +200,18 @@ def build_resnet_c4(
         neck_norm: normalisation of res5 (default: same as ``norm``). Keep it per-sample (frozen_bn or
             gn) when the neck runs under sequential backprop.
         freeze_at: 0 trains everything, 1 freezes the stem, 2 the stem and res2 (detectron2's meaning).
+        stem_pool: see ``build_resnet_trunk``; False puts the C4 features at stride 8.
 
     Returns:
-        base: images (B, 3, H, W) -> features (B, C4, H/16, W/16); ``base.out_channels`` = C4.
+        base: images (B, 3, H, W) -> features (B, C4, H/16, W/16) (H/8, W/8 without the stem's
+            pooling); ``base.out_channels`` = C4, ``base.stride`` = 16 or 8.
         res5: pooled ROI features (R, C4, S, S) -> (R, C5, S/2, S/2); ``res5.out_channels`` = C5.
     """
     if not 0 <= freeze_at <= 5:
         raise ValueError(f"freeze_at must be in 0..5, got {freeze_at}")
-    trunk = build_resnet_trunk(depth, width=width, weights=weights, norm=norm, neck_norm=neck_norm)
+    trunk = build_resnet_trunk(
+        depth, width=width, weights=weights, norm=norm, neck_norm=neck_norm, stem_pool=stem_pool
+    )
 
     stem = nn.Sequential(
         OrderedDict(conv1=trunk.conv1, bn1=trunk.bn1, relu=trunk.relu, maxpool=trunk.maxpool)
@@ -210,6 +223,7 @@ def build_resnet_c4(
     if freeze_at >= 5:
         res5.requires_grad_(False)
     base.out_channels = stage_channels(trunk.layer3)
+    base.stride = C4_STRIDE if stem_pool else C4_STRIDE // 2
     res5.out_channels = stage_channels(trunk.layer4)
     return base, res5
 
@@ -225,13 +239,13 @@ class ResNetNeck(nn.Sequential):
 def resnet_c4_backbone(depth: int, **options) -> Backbone:
     """``build_resnet_c4(depth, **options)`` behind the backbone seam: base at stride 16, res5 + average
     pooling as the neck, C5 features per ROI (2048 for ResNet-50/101 at full width), from RoIAlign 14x14
-    (the backbone's ``pooler="align", roi_size=14``)."""
+    (the backbone's ``pooler="align", roi_size=14``); stride 8 without the stem's pooling."""
     base, res5 = build_resnet_c4(depth, **options)
     neck = ResNetNeck(*res5)
     return Backbone(
         base=base,
         neck=neck,
-        stride=C4_STRIDE,
+        stride=base.stride,
         feature_dim=res5.out_channels,
         channels=base.out_channels,
         pooler="align",

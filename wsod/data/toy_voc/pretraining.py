@@ -57,7 +57,7 @@ __all__ = [
 
 logger = logging.getLogger(__name__)
 
-PRETRAIN_FORMAT = 1  # bump with any change to what is drawn or how the base is trained
+PRETRAIN_FORMAT = 2  # bump with any change to what is drawn or how the base is trained
 BASE_FILE = "resnet18_w0.25.pth"
 BASE_STEPS = 2000  # 20,000 images, 6.4 epochs of batch 64: 97.7% held-out top-1 on format 3 (RESULTS)
 MANIFEST_NAME = "toy_voc_base.json"
@@ -65,8 +65,13 @@ NUM_IMAGES = 20_000  # the fixed training set, seen over several epochs (ImageNe
 NUM_VAL = 1000  # held-out images (drawn after the training ones) for the reported top-1 accuracy
 IMAGE_SIZE = 128  # pixels, square: ImageNet's 224 over its objects' size, scaled to toy_voc's objects
 OBJECT_SIDE = (0.5, 0.9)  # of the image side: ImageNet's objects fill most of the frame
-# The toy model's trunk (configs/model/r18_c4.yaml): the base in train-mode BatchNorm, res5 in GroupNorm.
-ARCH = {"depth": 18, "width": 0.25, "norm": "bn", "neck_norm": "gn"}
+# The toy model's trunk (configs/model/r18_c4.yaml): the base in train-mode BatchNorm, res5 in GroupNorm,
+# and no max pooling in the stem. toy_voc's objects are a third of VOC's in pixels (median side about
+# 110 px against 300), so with torchvision's stem res4 would see 211 px, twice an object, where VGG16's
+# conv5_3 sees 212 px of a 300 px VOC object; a fragment's pooled features then carry its whole object
+# and outscore it. Without the pooling res4 sees 107 px (docs/RESULTS.md, the toy_voc calibration:
+# WSDDN's CorLoc 8.6 -> 26.4 from the frozen base).
+ARCH = {"depth": 18, "width": 0.25, "norm": "bn", "neck_norm": "gn", "stem_pool": False}
 
 
 def render_object_centric_image(
@@ -167,7 +172,11 @@ def pretrain_toy_voc_base(
     val_images, val_labels = render_pretraining_images(generator_seed, num_val, first=num_images)
     torch.manual_seed(seed)
     trunk = build_resnet_trunk(
-        ARCH["depth"], width=ARCH["width"], norm=ARCH["norm"], neck_norm=ARCH["neck_norm"]
+        ARCH["depth"],
+        width=ARCH["width"],
+        norm=ARCH["norm"],
+        neck_norm=ARCH["neck_norm"],
+        stem_pool=ARCH["stem_pool"],
     )
     model = _Classifier(trunk, trunk.layer4[-1].conv2.out_channels, len(TOY_VOC_CLASSES))
     optimizer = torch.optim.SGD(
@@ -230,7 +239,7 @@ def base_manifest(generator_seed: int, steps: int) -> dict:
 def ensure_toy_voc_base(
     folder: str | os.PathLike, *, generator_seed: int = 0, steps: int = BASE_STEPS, progress: bool = False
 ) -> Path:
-    """The pretrained base's file in ``folder`` ({data.root}/base), trained first if absent (about 6
+    """The pretrained base's file in ``folder`` ({data.root}/base), trained first if absent (about 12
     minutes on 2 CPU cores at the default ``steps``); the training's report is written beside it
     (``report.json``). A folder made with other settings or half-written is an error, never reused
     (``wsod.data.generated``)."""
