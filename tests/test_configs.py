@@ -215,5 +215,5 @@ def test_method_students_and_pcl_settings_are_checked_naming_the_key(overrides, 
 def test_the_pcl_and_wsddn_configs_pass_the_checks_and_build(method):
     cfg = _compose("train", [f"method={method}"])
     check_config(cfg, TRAIN_RULES)
-    model = build_model({**OmegaConf.to_container(cfg.model), "weights": None}, 5, cfg.method)
+    model = build_model({**OmegaConf.to_container(cfg.model, resolve=True), "weights": None}, 5, cfg.method)
     assert type(model.method).__name__ == {"pcl": "PCLMethod", "wsddn": "WSDDNMethod"}[method]

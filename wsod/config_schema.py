@@ -242,6 +242,9 @@ class ToyVOCData:
     # res5's normalisation in the base, as it was pretrained (the toy detectors load it with it)
     base_neck_norm: Norm = Norm(TOY_VOC_BASE_ARCH["neck_norm"])
     base_stem_pool: bool = TOY_VOC_BASE_ARCH["stem_pool"]  # its stem's max pooling (false: stride 8)
+    # How much of the base configs/model/r18_c4.yaml keeps frozen (its model.freeze_at): 5, all of it.
+    # Fine-tuning it with the toy solver's AdamW (1e-3 or 1e-4) erases what it knows (docs/RESULTS.md).
+    base_freeze_at: int = 5
     train: ToyTrainData = field(default_factory=ToyTrainData)
     test: ToyTestData = field(default_factory=ToyTestData)
 

@@ -9,6 +9,7 @@ import torch
 import torchvision
 from torchvision.ops.misc import FrozenBatchNorm2d
 
+from wsod.modeling.frozen_bn import freeze_batchnorm
 from wsod.modeling.resnet import build_resnet_c4, resnet_c4_backbone
 from wsod.modeling.roi_head import RoIFeatureHead, build_roi_pooler
 
@@ -34,6 +35,34 @@ def test_without_the_stem_pooling_the_c4_features_are_at_stride_8_with_the_same_
     assert pooled.base.state_dict().keys() == unpooled.base.state_dict().keys()  # one weights file fits both
     with torch.no_grad():
         assert unpooled.base(torch.randn(1, 3, 96, 160)).shape == (1, 64, 12, 20)
+
+
+def test_a_frozen_stage_keeps_its_batchnorm_statistics_as_detectron2s_freeze():
+    base, res5 = build_resnet_c4(18, width=0.25, norm="bn", neck_norm="bn", freeze_at=3)
+    frozen = {
+        name: isinstance(m, FrozenBatchNorm2d)
+        for name, m in base.named_modules()
+        if isinstance(m, FrozenBatchNorm2d | torch.nn.BatchNorm2d)
+    }
+    assert all(v for n, v in frozen.items() if n.startswith(("stem", "res2", "res3")))
+    assert not any(v for n, v in frozen.items() if n.startswith("res4"))
+    assert len(frozen) == 1 + 3 * 2 * 2 + 2  # the stem, two per block of res2-res4, two downsamplings
+    assert not any(isinstance(m, FrozenBatchNorm2d) for m in res5.modules())
+    _, frozen_res5 = build_resnet_c4(18, width=0.25, norm="bn", neck_norm="bn", freeze_at=5)
+    assert not any(isinstance(m, torch.nn.BatchNorm2d) for m in frozen_res5.modules())
+
+
+def test_freezing_a_batchnorm_keeps_what_it_computes_in_eval_mode():
+    torch.manual_seed(0)
+    layer = torch.nn.BatchNorm2d(4).double()
+    layer.running_mean.uniform_(-1, 1), layer.running_var.uniform_(0.5, 2)
+    layer.weight.data.uniform_(0.5, 2), layer.bias.data.uniform_(-1, 1)
+    frozen = freeze_batchnorm(layer).double()
+    assert isinstance(frozen, FrozenBatchNorm2d)
+    x = torch.randn(2, 4, 5, 5, dtype=torch.float64)
+    torch.testing.assert_close(frozen(x), layer.eval()(x))
+    inside = torch.nn.Sequential(torch.nn.Conv2d(4, 4, 1), torch.nn.BatchNorm2d(4))
+    assert isinstance(freeze_batchnorm(inside)[1], FrozenBatchNorm2d)  # replaced in place
 
 
 def test_freeze_at():

@@ -42,6 +42,7 @@ from torchvision.models.detection.rpn import concat_box_prediction_layers
 from torchvision.models.detection.transform import GeneralizedRCNNTransform
 
 from wsod.modeling.detector import per_class_nms, postprocess_rois
+from wsod.modeling.frozen_bn import freeze_batchnorm
 from wsod.modeling.method import TrainingProgress
 from wsod.modeling.protocol import DetectionSettings, TrainingOutput, check_keep, unflip_boxes
 from wsod.modeling.resnet import build_resnet_trunk, stage_channels
@@ -394,9 +395,9 @@ def build_faster_rcnn(
         stem_pool=stem_pool,
     )
     frozen = [["conv1", "bn1"], ["layer1"], ["layer2"], ["layer3"], ["layer4"]][:freeze_at]
-    for names in frozen:
+    for names in frozen:  # frozen in their BatchNorm statistics too, as detectron2's ResNet.freeze
         for name in names:
-            getattr(trunk, name).requires_grad_(False)
+            setattr(trunk, name, freeze_batchnorm(getattr(trunk, name)).requires_grad_(False))
     stages = [trunk.layer1, trunk.layer2, trunk.layer3, trunk.layer4]
     body = BackboneWithFPN(
         trunk,

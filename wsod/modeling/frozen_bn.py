@@ -9,10 +9,10 @@ far less than it should. Here the folded scale and shift are cast to the input's
 
 from __future__ import annotations
 
-from torch import Tensor
+from torch import Tensor, nn
 from torchvision.ops.misc import FrozenBatchNorm2d as _TorchvisionFrozenBatchNorm2d
 
-__all__ = ["FrozenBatchNorm2d"]
+__all__ = ["FrozenBatchNorm2d", "freeze_batchnorm"]
 
 
 class FrozenBatchNorm2d(_TorchvisionFrozenBatchNorm2d):
@@ -25,3 +25,25 @@ class FrozenBatchNorm2d(_TorchvisionFrozenBatchNorm2d):
         scale = self.weight * (self.running_var + self.eps).rsqrt()
         shift = self.bias - self.running_mean * scale
         return x * scale.to(x.dtype).reshape(1, -1, 1, 1) + shift.to(x.dtype).reshape(1, -1, 1, 1)
+
+
+def freeze_batchnorm(module: nn.Module) -> nn.Module:
+    """``module`` with every train-mode ``BatchNorm2d`` in it (itself included) replaced by a
+    ``FrozenBatchNorm2d`` holding its affine parameters and running statistics: what detectron2's
+    ``ResNet.freeze`` does to the stages below ``FREEZE_AT`` (``FrozenBatchNorm2d.
+    convert_frozen_batchnorm``), so that a frozen stage is frozen in its statistics too, not only in
+    its weights. Returns the module (a new one when ``module`` is itself a BatchNorm); children are
+    replaced in place."""
+    if isinstance(module, nn.BatchNorm2d):
+        frozen = FrozenBatchNorm2d(module.num_features, eps=module.eps)
+        if module.affine:
+            frozen.weight.copy_(module.weight.detach())
+            frozen.bias.copy_(module.bias.detach())
+        frozen.running_mean.copy_(module.running_mean)
+        frozen.running_var.copy_(module.running_var)
+        return frozen
+    for name, child in module.named_children():
+        replaced = freeze_batchnorm(child)
+        if replaced is not child:
+            setattr(module, name, replaced)
+    return module

@@ -17,7 +17,7 @@ from torch import nn
 from torchvision.models.resnet import BasicBlock, Bottleneck
 
 from wsod.modeling.backbone import Backbone
-from wsod.modeling.frozen_bn import FrozenBatchNorm2d
+from wsod.modeling.frozen_bn import FrozenBatchNorm2d, freeze_batchnorm
 from wsod.modeling.pretrained import is_weights_file, load_state_dict
 
 __all__ = [
@@ -199,7 +199,8 @@ def build_resnet_c4(
         depth, width, weights, norm: see ``build_resnet_trunk``.
         neck_norm: normalisation of res5 (default: same as ``norm``). Keep it per-sample (frozen_bn or
             gn) when the neck runs under sequential backprop.
-        freeze_at: 0 trains everything, 1 freezes the stem, 2 the stem and res2 (detectron2's meaning).
+        freeze_at: 0 trains everything, 1 freezes the stem, 2 the stem and res2 (detectron2's meaning), ...
+            5 res5 too; a frozen stage's BatchNorm layers become ``FrozenBatchNorm2d`` (as detectron2's).
         stem_pool: see ``build_resnet_trunk``; False puts the C4 features at stride 8.
 
     Returns:
@@ -217,11 +218,12 @@ def build_resnet_c4(
         OrderedDict(conv1=trunk.conv1, bn1=trunk.bn1, relu=trunk.relu, maxpool=trunk.maxpool)
     )
     base = nn.Sequential(OrderedDict(stem=stem, res2=trunk.layer1, res3=trunk.layer2, res4=trunk.layer3))
-    for stage in list(base.children())[:freeze_at]:
-        stage.requires_grad_(False)
+    # A frozen stage keeps its BatchNorm statistics too (detectron2's ResNet.freeze).
+    for name, stage in list(base.named_children())[:freeze_at]:
+        setattr(base, name, freeze_batchnorm(stage).requires_grad_(False))
     res5 = trunk.layer4
     if freeze_at >= 5:
-        res5.requires_grad_(False)
+        res5 = freeze_batchnorm(res5).requires_grad_(False)
     base.out_channels = stage_channels(trunk.layer3)
     base.stride = C4_STRIDE if stem_pool else C4_STRIDE // 2
     res5.out_channels = stage_channels(trunk.layer4)
