@@ -74,8 +74,11 @@ def upgrade_saved_config(saved: Mapping[str, Any], like: Mapping[str, Any] | Non
         config["model"], config["method"] = upgrade_model_settings(config["model"], config.get("method"))
         if "backbone" in config["model"]:  # a first-stage model: before the EMA teacher, the student
             config["model"].setdefault("eval_weights", "student")
+        if str(config["model"].get("backbone", "")).startswith("resnet"):  # before the key: pooled
+            config["model"].setdefault("stem_pool", True)
     if isinstance(config.get("detector"), Mapping):  # before the key: torchvision's fraction, fixed
         config["detector"].setdefault("rpn_positive_fraction", 0.5)
+        config["detector"].setdefault("stem_pool", True)  # before the key: torchvision's stem
     solver = config.get("solver")
     if isinstance(solver, Mapping) and isinstance(solver.get("gradnorm"), Mapping):
         for key, value in _GRADNORM_BEFORE_ITS_SETTINGS.items():
