@@ -30,10 +30,9 @@ class FrozenBatchNorm2d(_TorchvisionFrozenBatchNorm2d):
 def freeze_batchnorm(module: nn.Module) -> nn.Module:
     """``module`` with every train-mode ``BatchNorm2d`` in it (itself included) replaced by a
     ``FrozenBatchNorm2d`` holding its affine parameters and running statistics: what detectron2's
-    ``ResNet.freeze`` does to the stages below ``FREEZE_AT`` (``FrozenBatchNorm2d.
-    convert_frozen_batchnorm``), so that a frozen stage is frozen in its statistics too, not only in
-    its weights. Returns the module (a new one when ``module`` is itself a BatchNorm); children are
-    replaced in place."""
+    ``ResNet.freeze`` does to the stages below ``FREEZE_AT`` (its ``convert_frozen_batchnorm``), so
+    that a frozen stage is frozen in its statistics too, not only in its weights. Returns the module
+    (a new one when ``module`` is itself a BatchNorm); children are replaced in place."""
     if isinstance(module, nn.BatchNorm2d):
         frozen = FrozenBatchNorm2d(module.num_features, eps=module.eps)
         if module.affine:

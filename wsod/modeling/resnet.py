@@ -138,8 +138,8 @@ def build_resnet_trunk(
         neck_norm: normalisation of ``layer4`` (default: same as ``norm``).
         stem_pool: the stem's 3x3 max pooling (torchvision's ResNet). False halves every stage's stride
             and, in pixels, res4's receptive field (211 -> 107 px for ResNet-18), at four times the
-            compute: the toy_voc base's choice, whose objects are a third of VOC's in pixels (its
-            ``ARCH``). A weights file does not record it (the pooling has no parameters): the model must
+            arithmetic of every stage: the toy_voc base's choice, whose objects are small in pixels
+            (its ``ARCH``). A weights file does not record it (the pooling has no parameters): the model must
             be built as its weights were trained.
     """
     neck_norm = neck_norm or norm

@@ -66,11 +66,11 @@ NUM_VAL = 1000  # held-out images (drawn after the training ones) for the report
 IMAGE_SIZE = 128  # pixels, square: ImageNet's 224 over its objects' size, scaled to toy_voc's objects
 OBJECT_SIDE = (0.5, 0.9)  # of the image side: ImageNet's objects fill most of the frame
 # The toy model's trunk (configs/model/r18_c4.yaml): the base in train-mode BatchNorm, res5 in GroupNorm,
-# and no max pooling in the stem. toy_voc's objects are a third of VOC's in pixels (median side about
-# 110 px against 300), so with torchvision's stem res4 would see 211 px, twice an object, where VGG16's
-# conv5_3 sees 212 px of a 300 px VOC object; a fragment's pooled features then carry its whole object
-# and outscore it. Without the pooling res4 sees 107 px (docs/RESULTS.md, the toy_voc calibration:
-# WSDDN's CorLoc 8.6 -> 26.4 from the frozen base).
+# and no max pooling in the stem. toy_voc's objects are small in pixels (median side about 117 px at the
+# 288 px test scale), so with torchvision's stem res4 would see 211 px, twice an object, where VGG16's
+# conv5_3 sees about one VOC object; a fragment's pooled features then carry its whole object and
+# outscore it. Without the pooling res4 sees 107 px (docs/RESULTS.md, the toy_voc calibration: WSDDN's
+# CorLoc 8.6 -> 26.4 from the frozen base).
 ARCH = {"depth": 18, "width": 0.25, "norm": "bn", "neck_norm": "gn", "stem_pool": False}
 
 
