@@ -405,3 +405,14 @@ def test_a_model_on_the_toy_voc_base_must_build_its_stem_as_the_base_was_pretrai
         check_config(_composed(name, (*data, f"{node}.stem_pool=true")), rules)
     # Other weights (or none) may build either stem.
     check_config(_composed(name, (*data, f"{node}.stem_pool=true", f"{node}.weights=null")), rules)
+
+
+def test_the_toy_solver_trains_toy_voc_heads_at_the_sets_own_learning_rate():
+    """``data.heads_lr`` (toy_voc's frozen base leaves only the heads to train) is the toy solver's
+    ``solver.lr`` there; the quick start's set keeps the toy's 1e-3; a command line's solver.lr wins."""
+    assert composed("train", ("data=toy_voc",)).solver.lr == pytest.approx(1e-2)
+    assert composed("train", ("data=toy_voc", "data.heads_lr=3e-3")).solver.lr == pytest.approx(3e-3)
+    assert composed("train", ("data=toy_voc", "solver.lr=1e-3")).solver.lr == pytest.approx(1e-3)
+    assert composed("train", ()).solver.lr == pytest.approx(1e-3)
+    with pytest.raises(ConfigError, match=r"data.heads_lr=0"):
+        check_config(composed("train", ("data=toy_voc", "data.heads_lr=0")), TRAIN_RULES)

@@ -240,6 +240,7 @@ TRAIN_RULES: dict[str, _Rule] = {
     "model.width": _number(0, above=True),
     "model.freeze_at": _integer(0, 5),
     "data.base_freeze_at": _integer(0, 5),
+    "data.heads_lr": _number(0, above=True),
     "model.roi_size": _integer(1),
     "model.chunk_size": _Rule(
         lambda v: v is None or v == "auto" or (_is_int(v) and v >= 1), "null, auto or an integer >= 1"
