@@ -416,3 +416,19 @@ def test_the_toy_solver_trains_toy_voc_heads_at_the_sets_own_learning_rate():
     assert composed("train", ()).solver.lr == pytest.approx(1e-3)
     with pytest.raises(ConfigError, match=r"data.heads_lr=0"):
         check_config(composed("train", ("data=toy_voc", "data.heads_lr=0")), TRAIN_RULES)
+
+
+def test_the_toy_solver_runs_toy_voc_on_the_sets_own_schedule():
+    """``data.heads_max_iter`` and ``data.heads_milestones`` are the toy solver's schedule on toy_voc (3,000
+    steps, the step down at 2,400); the quick start's set keeps 2,000 and [1600]; the command line wins."""
+    voc = composed("train", ("data=toy_voc",)).solver
+    assert (voc.max_iter, list(voc.milestones)) == (3000, [2400])
+    toy = composed("train", ()).solver
+    assert (toy.max_iter, list(toy.milestones)) == (2000, [1600])
+    short = composed("train", ("data=toy_voc", "solver.max_iter=500", "solver.milestones=[400]")).solver
+    assert (short.max_iter, list(short.milestones)) == (500, [400])
+    check_config(composed("train", ("data=toy_voc",)), TRAIN_RULES)
+    with pytest.raises(ConfigError, match=r"data.heads_max_iter=0"):
+        check_config(composed("train", ("data=toy_voc", "data.heads_max_iter=0")), TRAIN_RULES)
+    with pytest.raises(ConfigError, match=r"data.heads_milestones=\[0\]"):
+        check_config(composed("train", ("data=toy_voc", "data.heads_milestones=[0]")), TRAIN_RULES)

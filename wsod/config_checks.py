@@ -241,6 +241,11 @@ TRAIN_RULES: dict[str, _Rule] = {
     "model.freeze_at": _integer(0, 5),
     "data.base_freeze_at": _integer(0, 5),
     "data.heads_lr": _number(0, above=True),
+    "data.heads_max_iter": _integer(1),
+    "data.heads_milestones": _Rule(
+        lambda v: isinstance(v, list | tuple) and all(_is_int(i) and i >= 1 for i in v),
+        "a list of iterations >= 1, e.g. [2400]",
+    ),
     "model.roi_size": _integer(1),
     "model.chunk_size": _Rule(
         lambda v: v is None or v == "auto" or (_is_int(v) and v >= 1), "null, auto or an integer >= 1"
