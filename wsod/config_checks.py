@@ -85,6 +85,13 @@ def _integer(low: int | None = None, high: int | None = None, optional: bool = F
     )
 
 
+def _iterations(example: str) -> _Rule:
+    return _Rule(
+        lambda v: isinstance(v, list | tuple) and all(_is_int(i) and i >= 1 for i in v),
+        f"a list of iterations >= 1, e.g. {example}",
+    )
+
+
 def _number(low: float | None = None, high: float | None = None, *, above: bool = False) -> _Rule:
     return _Rule(
         lambda v: _is_number(v) and _in_range(v, low, high, above), f"a number{_bounds(low, high, above)}"
@@ -224,10 +231,7 @@ TRAIN_RULES: dict[str, _Rule] = {
     "log_period": _integer(1),
     "checkpoint_period": _integer(0),
     "keep_checkpoints": _integer(1),
-    "keep_at": _Rule(
-        lambda v: isinstance(v, list | tuple) and all(_is_int(i) and i >= 1 for i in v),
-        "a list of iterations >= 1, e.g. [12000]",
-    ),
+    "keep_at": _iterations("[12000]"),
     "eval_period": _integer(0),
     "max_nonfinite": _integer(1),
     "pseudo_label_preview.period": _integer(0),
@@ -242,10 +246,7 @@ TRAIN_RULES: dict[str, _Rule] = {
     "data.base_freeze_at": _integer(0, 5),
     "data.heads_lr": _number(0, above=True),
     "data.heads_max_iter": _integer(1),
-    "data.heads_milestones": _Rule(
-        lambda v: isinstance(v, list | tuple) and all(_is_int(i) and i >= 1 for i in v),
-        "a list of iterations >= 1, e.g. [2400]",
-    ),
+    "data.heads_milestones": _iterations("[2400]"),
     "model.roi_size": _integer(1),
     "model.chunk_size": _Rule(
         lambda v: v is None or v == "auto" or (_is_int(v) and v >= 1), "null, auto or an integer >= 1"
