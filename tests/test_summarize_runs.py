@@ -367,7 +367,7 @@ def test_the_tool_prints_the_summary_and_writes_it_into_out_or_else_the_first_di
     printed = capsys.readouterr().out
     assert printed.startswith(format_markdown(summarize_runs([method_sweep])))
     assert printed.endswith(
-        f"written: {tmp_path / 'out' / 'summary.md'} and {tmp_path / 'out' / 'summary.png'}\n"
+        f"written: {tmp_path / 'out' / 'summary.md'}, {tmp_path / 'out' / 'summary.png'}\n"
     )
     assert not (method_sweep / "summary.md").exists()
     assert tool.main([str(method_sweep)]) == 0  # no --out: into the (first) directory summarised

@@ -11,7 +11,10 @@ seconds per training step; and a ``copypaste:`` line of the means, like the one 
 runs without a final evaluation (still training, stopped, failed) are listed as skipped, with the reason.
 
 It writes ``summary.md`` (the same tables) and ``summary.png`` (per group the mean of mAP and CorLoc
-with a bar from the min to the max, and each run as a dot) into ``--out`` (default: the first directory).
+with a bar from the min to the max, and each run as a dot) into ``--out`` (default: the first directory);
+when the runs logged pseudo-label quality (``pseudo/`` keys: data with true boxes), also its table (per
+group and student, each third of the run) and ``pseudo_labels.png``, the curves over training
+(``wsod/engine/pseudo_label_curves.py``).
 ``--ignore KEY`` (repeatable) leaves another setting's differences out of the grouping (``--ignore
 progress``); ``--by-folder`` groups the runs of each given folder apart (second-stage runs, each seed on
 its own pseudo boxes: ``python tools/summarize_runs.py runs/stage2 runs/stage2_top1 --ignore pseudo_labels
@@ -35,7 +38,7 @@ def _parser() -> argparse.ArgumentParser:
     )
     parser.add_argument("directories", nargs="+", type=Path, help="run directories, or folders holding them")
     parser.add_argument(
-        "--out", type=Path, default=None, help="where summary.md and summary.png go (default: the first one)"
+        "--out", type=Path, default=None, help="where summary.md and the PNGs go (default: the first one)"
     )
     parser.add_argument(
         "--ignore", action="append", default=[], metavar="KEY",
@@ -52,8 +55,8 @@ def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     summary = summarize_runs(args.directories, ignore=args.ignore, by_folder=args.by_folder)
     print(format_markdown(summary), end="")
-    markdown, plot = write_summary(summary, args.out or args.directories[0])  # refuses when nothing finished
-    print(f"\nwritten: {markdown} and {plot}")
+    written = write_summary(summary, args.out or args.directories[0])  # refuses when nothing finished
+    print(f"\nwritten: {', '.join(str(path) for path in written)}")
     return 0
 
 

@@ -40,11 +40,19 @@ import math
 import os
 import re
 from collections.abc import Iterable, Mapping, Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from omegaconf import OmegaConf
+
+from wsod.engine.pseudo_label_curves import (
+    Curve,
+    format_curves_markdown,
+    has_curves,
+    plot_pseudo_label_curves,
+    read_curves,
+)
 
 if TYPE_CHECKING:  # matplotlib is imported when a plot is drawn, not with the module
     from matplotlib.figure import Figure
@@ -82,6 +90,13 @@ BASELINE_PREFIX = "random_"
 # copypaste line that mirrors the evaluation report's.
 VOC_IOU = 0.5
 SECONDS_COLUMN = "s/train step (mean of runs)"
+PSEUDO_LABELS_PLOT = "pseudo_labels.png"  # written beside summary.png when a run logged pseudo/ keys
+PSEUDO_LABELS_NOTE = (
+    "Measured on the training batch at each logged step (wsod.engine.pseudo_label_quality): precision"
+    " (percent) of the pseudo boxes at IoU >= 0.5 with a true box of their class, and pseudo boxes per"
+    " image, in each third of the run; means over the group's runs (wsod.engine.pseudo_label_curves)."
+    f" The curves: {PSEUDO_LABELS_PLOT}."
+)
 
 
 class SummaryError(ValueError):
@@ -109,6 +124,8 @@ class RunResult:
         metrics: the final evaluation's metrics (``mAP``, ``CorLoc``, ...), in the row's order.
         per_class: class name -> the final evaluation's per-class value (``AP_<class>``).
         seconds_per_step: seconds per training step (module docstring); None without train rows.
+        curves: its train rows' ``pseudo/`` keys over training (``wsod.engine.pseudo_label_curves``);
+            empty when it logged none.
     """
 
     directory: Path
@@ -117,6 +134,7 @@ class RunResult:
     metrics: dict[str, float]
     per_class: dict[str, float]
     seconds_per_step: float | None
+    curves: Mapping[str, Curve] = field(default_factory=dict)
 
     @property
     def seed(self) -> Any:
@@ -267,7 +285,9 @@ def read_run(directory: str | os.PathLike) -> RunResult | SkippedRun:
             metrics[key] = float(value)
         else:
             per_class[key[len(prefix) :]] = float(value)
-    return RunResult(directory, config, max_iter, metrics, per_class, _seconds_per_step(rows))
+    return RunResult(
+        directory, config, max_iter, metrics, per_class, _seconds_per_step(rows), read_curves(rows)
+    )
 
 
 def _newest_config(directory: Path) -> Path | None:
@@ -456,6 +476,9 @@ def format_markdown(summary: Summary) -> str:
         else:
             lines.append("The final evaluations hold no per-class values (COCO evaluations).")
         lines += ["", "## copypaste", "", "```", *(format_copypaste(g) for g in summary.groups), "```"]
+        if has_curves(summary.runs):
+            lines += ["", "## Pseudo-label quality over training", "", PSEUDO_LABELS_NOTE, ""]
+            lines.append(format_curves_markdown(summary.groups).rstrip("\n"))
     else:
         lines.append(f"No run with a final evaluation; {len(summary.skipped)} skipped.")
     lines += ["", f"## Skipped runs ({len(summary.skipped)})", ""]
@@ -543,9 +566,10 @@ def summary_figure(summary: Summary) -> Figure:
     return figure
 
 
-def write_summary(summary: Summary, out_dir: str | os.PathLike) -> tuple[Path, Path]:
-    """Write ``summary.md`` (``format_markdown``) and ``summary.png`` (``plot_summary``) into ``out_dir``;
-    returns their paths. Raises ``SummaryError`` when no run has a final evaluation."""
+def write_summary(summary: Summary, out_dir: str | os.PathLike) -> list[Path]:
+    """Write ``summary.md`` (``format_markdown``), ``summary.png`` (``plot_summary``) and, when a run
+    logged ``pseudo/`` keys, ``pseudo_labels.png`` (``wsod.engine.pseudo_label_curves``) into ``out_dir``;
+    returns their paths in that order. Raises ``SummaryError`` when no run has a final evaluation."""
     if not summary.groups:
         where = ", ".join(str(d) for d in summary.directories)
         raise SummaryError(
@@ -558,7 +582,10 @@ def write_summary(summary: Summary, out_dir: str | os.PathLike) -> tuple[Path, P
     # Written in place (not wsod.atomic: its temporary files are private, 0600): a summary is made again
     # in seconds, and the people who read it need not be the one who made it.
     markdown.write_text(format_markdown(summary))
-    return markdown, plot_summary(summary, out_dir / "summary.png")
+    written = [markdown, plot_summary(summary, out_dir / "summary.png")]
+    if has_curves(summary.runs):
+        written.append(plot_pseudo_label_curves(summary.groups, out_dir / PSEUDO_LABELS_PLOT))
+    return written
 
 
 # -- helpers -----------------------------------------------------------------------------------------
