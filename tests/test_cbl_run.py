@@ -3,6 +3,7 @@ weights of an uninterrupted one, the EMA teacher's included, past the switch to 
 
 from __future__ import annotations
 
+import json
 import os
 import sys
 from pathlib import Path
@@ -13,6 +14,7 @@ from tiny_run import kill_and_resume, tiny_overrides
 
 from wsod.build import load_detector
 from wsod.modeling.teacher_student import TeacherStudentPair
+from wsod.runs.evaluate import evaluate_from_config
 from wsod.runs.train import train_from_config
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -61,3 +63,27 @@ def test_cbl_trains_with_its_teacher_and_resumes_exactly_after_sigkill(tiny_toy_
     assert not torch.equal(reference["teacher"][name], reference["model"][name])
     pair, metadata = load_detector(killed / "model_final.pth")
     assert metadata["model"]["eval_weights"] == "mix" and isinstance(pair, TeacherStudentPair)
+
+
+def test_eval_weights_picks_the_student_or_the_teacher_of_a_cbl_checkpoint(tiny_toy_root, tmp_path):
+    """tools/eval.py eval_weights=student|teacher|mix: the same checkpoint's three models, each scored on
+    the test set (mix, the run's own choice, is what its final evaluation reported)."""
+    run = tmp_path / "run"
+    overrides = [*_overrides(tiny_toy_root, run), "solver.max_iter=2", "solver.milestones=[1]"]
+    with initialize_config_dir(config_dir=str(ROOT / "configs"), version_base="1.3"):
+        train_from_config(compose(config_name="train", overrides=overrides))
+        data = [o for o in overrides if o.startswith("data.")]
+        scored = {}
+        for weights in ("student", "teacher", "mix"):
+            out = tmp_path / weights
+            cfg = compose(
+                config_name="eval",
+                overrides=[f"checkpoint={run / 'model_final.pth'}", f"eval_weights={weights}", *data,
+                           "random_baseline=false", "progress=false", f"output_dir={out}"],
+            )  # fmt: skip
+            evaluate_from_config(cfg)
+            assert f"evaluating the {weights} weights of" in (out / "log.txt").read_text()
+            scored[weights] = json.loads((out / "metrics.json").read_text())
+    assert scored["mix"] == json.loads((run / "eval" / "metrics.json").read_text())
+    final = torch.load(run / "model_final.pth", weights_only=True)  # two models, not one twice
+    assert not all(torch.equal(final["model"][n], v) for n, v in final["teacher"].items())

@@ -623,6 +623,9 @@ class EvalRun(Entry):
     """tools/eval.py (configs/eval.yaml)."""
 
     checkpoint: str = MISSING  # required: the .pth file to evaluate
+    # Which weights of a checkpoint trained with an EMA teacher (CBL, solver.ema): student, teacher or mix
+    # (their mean); null: the run's own model.eval_weights
+    eval_weights: Optional[EvalWeights] = None
     predictions: Optional[str] = None  # a predictions file of an earlier evaluation, reused
     output_dir: Optional[str] = None  # null: runs/eval/<date>_<time>
     random_baseline: bool = True

@@ -43,7 +43,12 @@ def _evaluate(cfg: DictConfig) -> dict[str, float]:
 
 
 def _evaluate_in(out_dir: Path, cfg: DictConfig, device: torch.device) -> dict[str, float]:
-    model, metadata = load_detector(cfg.checkpoint, device, trust=cfg.trust_checkpoint)
+    eval_weights = None if cfg.eval_weights is None else str(cfg.eval_weights)
+    model, metadata = load_detector(
+        cfg.checkpoint, device, trust=cfg.trust_checkpoint, eval_weights=eval_weights
+    )
+    if eval_weights is not None:
+        logger.info("evaluating the %s weights of %s (eval_weights)", eval_weights, cfg.checkpoint)
     _check_seeded_split(cfg, metadata.get("config"))
     prepare_data(cfg.data, progress=cfg.progress and is_main_process())
     evaluator = build_evaluator(cfg.data, device, cfg.progress)
