@@ -58,7 +58,7 @@ def test_a_failing_final_evaluation_keeps_the_weights_and_says_how_to_rerun_it(t
     assert shlex.split(command) == [
         "python", "tools/eval.py", f"checkpoint={run_dir / 'model_final.pth'}", "data=toy",
         f"data.root={toy}", "data.num_train=12", "data.num_test=6", "data.train.num_workers=0",
-        "data.test.num_workers=0", "data.test.scales=[160, 192]",
+        "data.test.num_workers=0", "data.train.max_proposals=32", "data.test.scales=[160, 192]",
     ]  # fmt: skip
     assert "Traceback" not in output  # one clear message on the console ...
     assert "Traceback" in (run_dir / "log.txt").read_text()  # ... the traceback in the log
