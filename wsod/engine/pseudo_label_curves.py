@@ -45,6 +45,7 @@ __all__ = [
 ]
 
 THIRDS = ((0.0, 1 / 3), (1 / 3, 2 / 3), (2 / 3, 1.0))  # the table's windows, as shares of the run
+THIRD_NAMES = ("first third", "second third", "last third")
 SMOOTHING = 1 / 15  # the curves' sliding window, as a share of the run (200 of toy_voc's 3,000 steps)
 _KEY = re.compile(rf"^{PREFIX}/(precision|boxes)_(\d+|{TEACHER})$")
 
@@ -134,14 +135,15 @@ def format_curves_markdown(groups: Sequence[Any]) -> str:
     students 1..K and the teacher), the precision (percent) and the pseudo boxes per image in each third
     of the run, means over the group's runs. Empty when no run logged a ``pseudo/`` key."""
     lines: list[str] = []
-    header = ["group", "pseudo boxes of", *(f"precision, {_third_name(w)}" for w in THIRDS)]
-    header += [f"boxes per image, {_third_name(w)}" for w in THIRDS]
+    header = ["group", "pseudo boxes of", *(f"precision, {name}" for name in THIRD_NAMES)]
+    header += [f"boxes per image, {name}" for name in THIRD_NAMES]
     for group in groups:
         for source in dict.fromkeys(_KEY.match(k).group(2) for k in _group_keys(group)):
             cells = [group.label, f"student {source}" if source != TEACHER else "teacher"]
             for name in ("precision", "boxes"):
                 key = f"{PREFIX}/{name}_{source}"
-                thirds = [_mean(_thirds(run, key)[i] for run in group.runs) for i in range(len(THIRDS))]
+                per_run = [_thirds(run, key) for run in group.runs]  # (runs, 3)
+                thirds = [_mean(window) for window in zip(*per_run, strict=True)]
                 scale, digits = (100, 1) if name == "precision" else (1, 2)
                 cells += ["" if math.isnan(v) else f"{scale * v:.{digits}f}" for v in thirds]
             lines.append("| " + " | ".join(cells) + " |")
@@ -204,10 +206,6 @@ def _key_order(key: str) -> tuple[int, int, str]:
         return (2, 0, key)
     name, source = match.groups()
     return (0 if name == "precision" else 1, 10**6 if source == TEACHER else int(source), key)
-
-
-def _third_name(window: tuple[float, float]) -> str:
-    return {0.0: "first third", 1 / 3: "second third"}.get(window[0], "last third")
 
 
 def _finite(value: Any) -> bool:
