@@ -87,3 +87,15 @@ def test_eval_weights_picks_the_student_or_the_teacher_of_a_cbl_checkpoint(tiny_
     assert scored["mix"] == json.loads((run / "eval" / "metrics.json").read_text())
     final = torch.load(run / "model_final.pth", weights_only=True)  # two models, not one twice
     assert not all(torch.equal(final["model"][n], v) for n, v in final["teacher"].items())
+    # Each evaluation scored its own model: the detections' scores differ between the three.
+    scores = {
+        w: torch.cat(
+            [
+                d["scores"]
+                for d in torch.load(tmp_path / w / "predictions.pth", weights_only=True)["detections"]
+            ]
+        )
+        for w in ("student", "teacher", "mix")
+    }
+    for a, b in (("student", "teacher"), ("student", "mix"), ("teacher", "mix")):
+        assert scores[a].shape != scores[b].shape or not torch.equal(scores[a], scores[b]), (a, b)
